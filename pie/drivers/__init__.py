@@ -1,0 +1,1 @@
+"""Drivers run batched forward passes on a model: torch only, no trio."""

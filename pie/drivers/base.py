@@ -1,0 +1,40 @@
+"""The Driver protocol every backend implements, and what a driver tells the engine about itself."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from attrs import frozen
+
+from pie.drivers.batch import ForwardBatch
+from pie.events.sampling import SlotOutput
+
+
+@frozen(kw_only=True)
+class DriverInfo:
+    """Limits and facts the scheduler and kv actor plan with."""
+
+    model_name: str
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    max_batch_tokens: int
+    max_batch_requests: int
+    device: str
+    dtype: str
+
+
+class DriverError(Exception):
+    """A batch the driver refused (bad indices, masks that do not add up, ...)."""
+
+
+class Driver(Protocol):
+    info: DriverInfo
+
+    def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
+        """Runs one pass: page copies, then all tokens, then every sampling slot.
+
+        Returns one output per sampling slot, in the batch's slot order.
+        Raises DriverError for a malformed batch without changing any KV page.
+        """
+        ...

@@ -1,0 +1,69 @@
+"""The one batched request type that crosses into a driver, flattened the flashinfer way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from attrs import define, field
+
+from pie.events.forward import ForwardRequest
+from pie.events.sampling import Rle, SlotOp
+
+
+@define(kw_only=True)
+class ForwardBatch:
+    """Flat token ids and positions with CSR offsets per request.
+
+    Request r owns tokens [qo_indptr[r], qo_indptr[r+1]) and pages
+    kv_page_indices[kv_page_indptr[r]:kv_page_indptr[r+1]]; after the pass its kv length is
+    kv_lens[r], and its new tokens fill kv slots [kv_lens[r] - n_r, kv_lens[r]).
+    """
+
+    token_ids: list[int] = field(factory=list)
+    positions: list[int] = field(factory=list)
+    qo_indptr: list[int] = field(factory=lambda: [0])
+    kv_page_indptr: list[int] = field(factory=lambda: [0])
+    kv_page_indices: list[int] = field(factory=list)
+    kv_lens: list[int] = field(factory=list)
+    masked_pages: list[tuple[int, ...]] = field(factory=list)
+    attention_masks: list[tuple[Rle, ...] | None] = field(factory=list)
+    logit_masks: list[Rle | None] = field(factory=list)
+    slot_requests: list[int] = field(factory=list)
+    """For each sampling slot, the request it belongs to."""
+    slot_tokens: list[int] = field(factory=list)
+    """For each sampling slot, the flat index of the token whose logits it reads."""
+    slot_ops: list[SlotOp] = field(factory=list)
+    copies: list[tuple[int, int]] = field(factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[ForwardRequest]) -> ForwardBatch:
+        batch = cls()
+        for req in requests:
+            batch.add(req)
+        return batch
+
+    def add(self, req: ForwardRequest) -> None:
+        base = len(self.token_ids)
+        r = len(self.kv_lens)
+        self.token_ids.extend(req.tokens)
+        self.positions.extend(req.positions)
+        self.qo_indptr.append(len(self.token_ids))
+        self.kv_page_indices.extend(req.pages)
+        self.kv_page_indptr.append(len(self.kv_page_indices))
+        self.kv_lens.append(req.kv_len)
+        self.masked_pages.append(req.masked_pages)
+        self.attention_masks.append(req.attention_masks)
+        self.logit_masks.append(req.logit_mask)
+        for slot in req.slots:
+            self.slot_requests.append(r)
+            self.slot_tokens.append(base + slot.index)
+            self.slot_ops.append(slot.op)
+        self.copies.extend((c.src, c.dst) for c in req.copies)

@@ -1,0 +1,77 @@
+"""What every model architecture provides to a driver, and the registry by HF `model_type`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from attrs import frozen
+from torch import nn
+
+
+class AttentionFn(Protocol):
+    """Paged attention supplied by the driver for one batch.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the batch's new tokens
+    (rope and any q/k norm already applied). The driver writes k, v into the KV pages and returns
+    the attention output [T, num_heads, head_dim] over each token's visible kv slots.
+    """
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@frozen(kw_only=True)
+class ModelConfig:
+    """The architecture facts a model file and a driver need, read from an HF config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict[str, Any]
+    """The whole config.json, for architecture-specific keys."""
+
+
+class CausalLM(nn.Module):
+    """Base of every architecture: embeddings to hidden states, and hidden states to logits."""
+
+    config: ModelConfig
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {}
+    """HF weight name fragment -> (our fused parameter fragment, shard id), for the loader."""
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] (float32)."""
+        raise NotImplementedError
+
+
+MODEL_REGISTRY: dict[str, Callable[[ModelConfig], CausalLM]] = {}
+
+
+def register(*model_types: str) -> Callable[[type[CausalLM]], type[CausalLM]]:
+    def wrap(cls: type[CausalLM]) -> type[CausalLM]:
+        for name in model_types:
+            MODEL_REGISTRY[name] = cls
+        return cls
+
+    return wrap

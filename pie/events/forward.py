@@ -1,0 +1,51 @@
+"""A forward pass request once the kv actor has placed it in pages: what the scheduler
+batches and the inference actor hands to the driver."""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from pie.events.sampling import Rle, SamplingSlot
+
+
+@frozen(kw_only=True)
+class PageCopy:
+    """Copy the KV of page `src` into page `dst` before the pass (copy-on-write of a shared tail)."""
+
+    src: int
+    dst: int
+
+
+@frozen(kw_only=True)
+class ForwardRequest:
+    """One context's input tokens for one pass, with everything the driver needs to place them.
+
+    The new tokens occupy kv slots [kv_start, kv_start + len(tokens)) of the context, i.e.
+    slot i lives in page pages[i // page_size] at offset i % page_size.
+    """
+
+    corr: int
+    requester: str
+    context: int
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    kv_start: int
+    pages: tuple[int, ...]
+    masked_pages: tuple[int, ...] = ()
+    """Indices into `pages` whose slots no token of this pass attends to."""
+    attention_masks: tuple[Rle, ...] | None = None
+    """Per input token, a mask over kv slots [0, kv_start + i + 1); None means causal."""
+    logit_mask: Rle | None = None
+    """A mask over the vocabulary applied before every slot's sampler or probe."""
+    slots: tuple[SamplingSlot, ...] = ()
+    copies: tuple[PageCopy, ...] = ()
+    chunk: tuple[int, int] = field(default=(0, 1))
+    """(index, count) when the scheduler split a long prefill into chunks."""
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_start + len(self.tokens)
+
+    @property
+    def last_chunk(self) -> bool:
+        return self.chunk[0] == self.chunk[1] - 1
