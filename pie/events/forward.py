@@ -3,7 +3,7 @@ batches and the inference actor hands to the driver."""
 
 from __future__ import annotations
 
-from attrs import field, frozen
+from attrs import frozen
 
 from pie.events.sampling import Rle, SamplingSlot
 
@@ -39,13 +39,11 @@ class ForwardRequest:
     """A mask over the vocabulary applied before every slot's sampler or probe."""
     slots: tuple[SamplingSlot, ...] = ()
     copies: tuple[PageCopy, ...] = ()
-    chunk: tuple[int, int] = field(default=(0, 1))
-    """(index, count) when the scheduler split a long prefill into chunks."""
+    final: bool = True
+    """False for every chunk but the last when the scheduler split a long prefill."""
+    slot_positions: tuple[int, ...] = ()
+    """Where each of `slots` stood in the unsplit request (empty: in order)."""
 
     @property
     def kv_len(self) -> int:
         return self.kv_start + len(self.tokens)
-
-    @property
-    def last_chunk(self) -> bool:
-        return self.chunk[0] == self.chunk[1] - 1

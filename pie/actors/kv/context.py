@@ -1,0 +1,64 @@
+"""The kv core's view of one context (or snapshot): its page chain and the tokens in it."""
+
+from __future__ import annotations
+
+from attrs import define, field
+
+
+@define
+class Chain:
+    """Tokens, positions and the pages holding their KV.
+
+    Token i lives in pages[i // page_size]. `hashes[j]` identifies full page j once its KV is
+    written (committed); `written` counts tokens whose KV exists.
+    """
+
+    owner: str
+    pages: list[int] = field(factory=list)
+    tokens: list[int] = field(factory=list)
+    positions: list[int] = field(factory=list)
+    hashes: list[bytes] = field(factory=list)
+    written: int = 0
+    masked: set[int] = field(factory=set)
+    salt: bytes = b""
+    in_flight: int | None = None
+    """The corr of the pass writing into this chain, if any."""
+
+    def copy(self, owner: str) -> Chain:
+        return Chain(
+            owner=owner,
+            pages=list(self.pages),
+            tokens=list(self.tokens),
+            positions=list(self.positions),
+            hashes=list(self.hashes),
+            written=self.written,
+            masked=set(self.masked),
+            salt=self.salt,
+        )
+
+    def next_position(self) -> int:
+        return self.positions[-1] + 1 if self.positions else 0
+
+    def state(self) -> tuple[object, ...]:
+        return (
+            self.owner,
+            tuple(self.pages),
+            tuple(self.tokens),
+            tuple(self.positions),
+            tuple(self.hashes),
+            self.written,
+            tuple(sorted(self.masked)),
+            self.salt,
+        )
+
+
+@define
+class InFlight:
+    """What a placed pass changed, so that it can be committed or rolled back."""
+
+    context: int
+    old_length: int
+    pinned: list[int]
+    added_pages: list[int]
+    replaced_tail: tuple[int, int] | None
+    """(index, original page) when the tail page was copied before writing."""

@@ -1,0 +1,319 @@
+"""The kv actor's pure core: every context command in, placed passes and replies out.
+
+No trio here: `handle(event)` returns (destination, event) pairs, so tests and replay drive it
+directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from attrs import frozen
+
+from pie.actors.kv.context import Chain, InFlight
+from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash
+from pie.actors.kv.validation import RequestError, validate_forward
+from pie.events import kv as ev
+from pie.events.batching import ScheduleForward
+from pie.events.forward import ForwardRequest, PageCopy
+
+Output = tuple[str, Any]
+
+
+@frozen(kw_only=True)
+class KvStatistics:
+    page_size: int
+    pages_total: int
+    pages_free: int
+    contexts: int
+    snapshots: int
+    passes_in_flight: int
+    shared_page_hits: int
+    tail_copies: int
+
+
+class KvCore:
+    def __init__(
+        self, *, num_pages: int, page_size: int, vocab_size: int, scheduler: str = "scheduler"
+    ) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.scheduler = scheduler
+        self.pool = PagePool(num_pages)
+        self.contexts: dict[int, Chain] = {}
+        self.snapshots: dict[tuple[str, str], Chain] = {}
+        self.in_flight: dict[int, InFlight] = {}
+        self._next_context = 1
+        self._shared_hits = 0
+        self._tail_copies = 0
+
+    def handle(self, event: Any) -> list[Output]:
+        try:
+            return self._dispatch(event)
+        except RequestError as err:
+            return [(event.requester, ev.RequestFailed(corr=event.corr, kind=err.kind, message=str(err)))]
+        except OutOfPages as err:
+            failed = ev.RequestFailed(corr=event.corr, kind="out_of_pages", message=str(err))
+            return [(event.requester, failed)]
+
+    def _dispatch(self, event: Any) -> list[Output]:
+        match event:
+            case ev.SubmitForward():
+                return [(self.scheduler, ScheduleForward(request=self._place(event)))]
+            case ev.PassApplied():
+                self._settle(event)
+                return []
+            case ev.CreateContext():
+                return self._created(event, Chain(owner=event.requester))
+            case ev.ForkContext():
+                source = self._owned(event.context, event.requester)
+                self._quiet(source, "fork")
+                self.pool.share(source.pages)
+                return self._created(event, source.copy(event.requester))
+            case ev.OpenContext():
+                return self._open(event)
+            case ev.SaveContext():
+                return self._save(event)
+            case ev.DeleteSnapshot():
+                snapshot = self._snapshot((event.user, event.name))
+                del self.snapshots[(event.user, event.name)]
+                self.pool.release(snapshot.pages)
+                return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.DestroyContext():
+                self._owned(event.context, event.requester)
+                self._drop(event.context)
+                return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.TruncateContext():
+                self._truncate(self._owned(event.context, event.requester), event.count)
+                return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.MaskPages():
+                self._mask(self._owned(event.context, event.requester), event.pages, event.masked)
+                return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.DescribeContext():
+                return [(event.requester, self._describe(event))]
+            case ev.ReleaseRequester():
+                for context in [c for c, ch in self.contexts.items() if ch.owner == event.requester]:
+                    self._drop(context)
+                return [(event.requester, ev.Done(corr=event.corr))]
+        raise TypeError(f"kv actor got an unexpected event {type(event).__name__}")
+
+    # -- placing and settling passes -------------------------------------------------------
+
+    def _place(self, event: ev.SubmitForward) -> ForwardRequest:
+        chain = self._owned(event.context, event.requester)
+        self._quiet(chain, "submit a pass to")
+        validate_forward(event, len(chain.tokens), self.vocab_size)
+        positions = event.positions
+        if positions is None:
+            start = chain.next_position()
+            positions = tuple(range(start, start + len(event.tokens)))
+        old_length = len(chain.tokens)
+        new_length = old_length + len(event.tokens)
+        needed = -(-new_length // self.page_size) - len(chain.pages)
+        tail = self._tail_needing_copy(chain, old_length)
+        added = self.pool.allocate(needed + (1 if tail is not None else 0))
+        copies: tuple[PageCopy, ...] = ()
+        replaced = None
+        if tail is not None:
+            fresh = added.pop()
+            copies = (PageCopy(src=chain.pages[tail], dst=fresh),)
+            replaced = (tail, chain.pages[tail])
+            # The original stays pinned below as the copy's source, then loses this owner.
+            self.pool.pin([chain.pages[tail]])
+            self.pool.release([chain.pages[tail]])
+            chain.pages[tail] = fresh
+            self._tail_copies += 1
+        chain.pages.extend(added)
+        if event.attention_masks is not None:
+            chain.salt = _digest(chain.salt, repr(event.attention_masks))
+        chain.tokens.extend(event.tokens)
+        chain.positions.extend(positions)
+        chain.in_flight = event.corr
+        self.pool.pin(chain.pages)
+        pinned = list(chain.pages) + ([replaced[1]] if replaced else [])
+        self.in_flight[event.corr] = InFlight(
+            context=event.context,
+            old_length=old_length,
+            pinned=pinned,
+            added_pages=added,
+            replaced_tail=replaced,
+        )
+        return ForwardRequest(
+            corr=event.corr,
+            requester=event.requester,
+            context=event.context,
+            tokens=event.tokens,
+            positions=tuple(positions),
+            kv_start=old_length,
+            pages=tuple(chain.pages),
+            masked_pages=tuple(sorted(chain.masked)),
+            attention_masks=event.attention_masks,
+            logit_mask=event.logit_mask,
+            slots=event.slots,
+            copies=copies,
+        )
+
+    def _tail_needing_copy(self, chain: Chain, length: int) -> int | None:
+        if length % self.page_size == 0:
+            return None
+        tail = length // self.page_size
+        return None if self.pool.writable(chain.pages[tail]) else tail
+
+    def _settle(self, event: ev.PassApplied) -> None:
+        flight = self.in_flight.pop(event.corr, None)
+        if flight is None:
+            return
+        chain = self.contexts.get(flight.context)
+        if chain is not None and chain.in_flight == event.corr:
+            chain.in_flight = None
+            if event.ok:
+                chain.written = len(chain.tokens)
+                self._commit_full_pages(chain)
+            else:
+                self._roll_back(chain, flight)
+        self.pool.unpin(flight.pinned)
+
+    def _commit_full_pages(self, chain: Chain) -> None:
+        size = self.page_size
+        while len(chain.hashes) < chain.written // size:
+            j = len(chain.hashes)
+            previous = chain.hashes[-1] if chain.hashes else b""
+            content = chain_hash(
+                previous,
+                chain.tokens[j * size : (j + 1) * size],
+                chain.positions[j * size : (j + 1) * size],
+                chain.salt,
+            )
+            page = self.pool.commit(chain.pages[j], content)
+            if page != chain.pages[j]:
+                self.pool.share([page])
+                self.pool.release([chain.pages[j]])
+                chain.pages[j] = page
+                self._shared_hits += 1
+            chain.hashes.append(content)
+
+    def _roll_back(self, chain: Chain, flight: InFlight) -> None:
+        del chain.tokens[flight.old_length :]
+        del chain.positions[flight.old_length :]
+        for page in flight.added_pages:
+            chain.pages.remove(page)
+        self.pool.release(flight.added_pages)
+        if flight.replaced_tail is not None:
+            index, original = flight.replaced_tail
+            self.pool.release([chain.pages[index]])
+            self.pool.share([original])
+            chain.pages[index] = original
+
+    # -- context lifecycle -------------------------------------------------------------------
+
+    def _created(self, event: Any, chain: Chain) -> list[Output]:
+        context = self._next_context
+        self._next_context += 1
+        self.contexts[context] = chain
+        return [(event.requester, ev.ContextCreated(corr=event.corr, context=context))]
+
+    def _open(self, event: ev.OpenContext) -> list[Output]:
+        key = (event.user, event.name)
+        snapshot = self._snapshot(key)
+        if event.take:
+            del self.snapshots[key]
+            snapshot.owner = event.requester
+            return self._created(event, snapshot)
+        self.pool.share(snapshot.pages)
+        return self._created(event, snapshot.copy(event.requester))
+
+    def _save(self, event: ev.SaveContext) -> list[Output]:
+        chain = self._owned(event.context, event.requester)
+        self._quiet(chain, "save")
+        key = (event.user, event.name)
+        if key in self.snapshots:
+            raise RequestError("snapshot_exists", f"a snapshot named {event.name!r} exists")
+        self.pool.share(chain.pages)
+        self.snapshots[key] = chain.copy(owner=f"snapshot:{event.user}")
+        return [(event.requester, ev.Done(corr=event.corr))]
+
+    def _drop(self, context: int) -> None:
+        chain = self.contexts.pop(context)
+        self.pool.release(chain.pages)
+
+    def _truncate(self, chain: Chain, count: int) -> None:
+        self._quiet(chain, "truncate")
+        if not 0 <= count <= len(chain.tokens):
+            raise RequestError("invalid", f"cannot truncate {count} of {len(chain.tokens)} tokens")
+        length = len(chain.tokens) - count
+        keep = -(-length // self.page_size)
+        self.pool.release(chain.pages[keep:])
+        del chain.pages[keep:]
+        del chain.tokens[length:]
+        del chain.positions[length:]
+        del chain.hashes[length // self.page_size :]
+        chain.written = min(chain.written, length)
+        chain.masked = {p for p in chain.masked if p < keep}
+
+    def _mask(self, chain: Chain, pages: tuple[int, ...], masked: bool) -> None:
+        bad = [p for p in pages if not 0 <= p < len(chain.pages)]
+        if bad:
+            raise RequestError("invalid", f"page indices {bad} outside 0..{len(chain.pages) - 1}")
+        chain.masked = chain.masked | set(pages) if masked else chain.masked - set(pages)
+        chain.salt = _digest(chain.salt, repr(sorted(chain.masked)))
+
+    def _describe(self, event: ev.DescribeContext) -> ev.ContextInfo:
+        chain = self._owned(event.context, event.requester)
+        return ev.ContextInfo(
+            corr=event.corr,
+            context=event.context,
+            tokens=tuple(chain.tokens),
+            positions=tuple(chain.positions),
+            pages=len(chain.pages),
+            masked_pages=tuple(sorted(chain.masked)),
+        )
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _owned(self, context: int, requester: str) -> Chain:
+        chain = self.contexts.get(context)
+        if chain is None:
+            raise RequestError("no_such_context", f"context {context} does not exist")
+        if chain.owner != requester:
+            raise RequestError("not_owner", f"context {context} belongs to another requester")
+        return chain
+
+    def _snapshot(self, key: tuple[str, str]) -> Chain:
+        snapshot = self.snapshots.get(key)
+        if snapshot is None:
+            raise RequestError("no_such_snapshot", f"no snapshot named {key[1]!r}")
+        return snapshot
+
+    @staticmethod
+    def _quiet(chain: Chain, verb: str) -> None:
+        if chain.in_flight is not None:
+            raise RequestError("busy", f"cannot {verb} a context while its pass is in flight")
+
+    def statistics(self) -> KvStatistics:
+        return KvStatistics(
+            page_size=self.page_size,
+            pages_total=self.pool.num_pages,
+            pages_free=self.pool.free,
+            contexts=len(self.contexts),
+            snapshots=len(self.snapshots),
+            passes_in_flight=len(self.in_flight),
+            shared_page_hits=self._shared_hits,
+            tail_copies=self._tail_copies,
+        )
+
+    def state(self) -> tuple[object, ...]:
+        """Everything that defines the page table, for exact comparison (replay)."""
+        return (
+            self.pool.state(),
+            tuple(sorted((c, ch.state()) for c, ch in self.contexts.items())),
+            tuple(sorted((k, s.state()) for k, s in self.snapshots.items())),
+            tuple(sorted(self.in_flight)),
+            self._next_context,
+        )
+
+
+def _digest(salt: bytes, text: str) -> bytes:
+    return hashlib.blake2b(salt + text.encode(), digest_size=16).digest()

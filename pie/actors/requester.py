@@ -1,0 +1,161 @@
+"""A requester: an address that sends commands to the actors and awaits their replies by
+correlation id. The engine's own API, the CLI and (later) each inferlet speak through one."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import trio
+
+from pie.actors.runtime import Router
+from pie.events import bus as bus_ev
+from pie.events import kv as kv_ev
+from pie.events.batching import ForwardCompleted
+from pie.events.sampling import Rle, SamplingSlot, SlotOutput
+
+
+class RequestRefused(Exception):
+    """An actor refused a command; `kind` is a stable word (out_of_pages, busy, invalid, ...)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+class _Reply:
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: Any = None
+
+
+class Requester:
+    """Start with `await nursery.start(requester.run)`; `close()` ends it."""
+
+    def __init__(self, router: Router, address: str, corr_ids: Iterator[int]) -> None:
+        self.router = router
+        self.address = address
+        self._corr = corr_ids
+        self._inbox = router.register(address, capacity=65536)
+        self._waiting: dict[int, _Reply] = {}
+        self._topics: dict[int, trio.MemorySendChannel[bus_ev.TopicMessage]] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._inbox:
+            async for event in self._inbox:
+                self._deliver(event)
+
+    def _deliver(self, event: Any) -> None:
+        if isinstance(event, bus_ev.TopicMessage):
+            channel = self._topics.get(event.corr)
+            if channel is not None:
+                try:
+                    channel.send_nowait(event)
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
+            return
+        reply = self._waiting.pop(event.corr, None)
+        if reply is not None:
+            reply.value = event
+            reply.done.set()
+
+    async def call(self, dst: str, make: Any, **fields: Any) -> Any:
+        """Sends `make(corr=..., requester=..., **fields)` to `dst` and returns the reply."""
+        corr = next(self._corr)
+        reply = _Reply()
+        self._waiting[corr] = reply
+        try:
+            await self.router.send(self.address, dst, make(corr=corr, requester=self.address, **fields))
+            await reply.done.wait()
+        finally:
+            self._waiting.pop(corr, None)
+        if isinstance(reply.value, kv_ev.RequestFailed):
+            raise RequestRefused(reply.value.kind, reply.value.message)
+        return reply.value
+
+    # -- contexts ----------------------------------------------------------------------------
+
+    async def create_context(self) -> int:
+        return (await self.call("kv", kv_ev.CreateContext)).context
+
+    async def fork(self, context: int) -> int:
+        return (await self.call("kv", kv_ev.ForkContext, context=context)).context
+
+    async def destroy(self, context: int) -> None:
+        await self.call("kv", kv_ev.DestroyContext, context=context)
+
+    async def save(self, context: int, name: str, user: str = "local") -> None:
+        await self.call("kv", kv_ev.SaveContext, context=context, name=name, user=user)
+
+    async def open(self, name: str, user: str = "local", take: bool = False) -> int:
+        return (await self.call("kv", kv_ev.OpenContext, name=name, user=user, take=take)).context
+
+    async def delete_snapshot(self, name: str, user: str = "local") -> None:
+        await self.call("kv", kv_ev.DeleteSnapshot, name=name, user=user)
+
+    async def truncate(self, context: int, count: int) -> None:
+        await self.call("kv", kv_ev.TruncateContext, context=context, count=count)
+
+    async def mask_pages(self, context: int, pages: tuple[int, ...], masked: bool = True) -> None:
+        await self.call("kv", kv_ev.MaskPages, context=context, pages=tuple(pages), masked=masked)
+
+    async def describe(self, context: int) -> kv_ev.ContextInfo:
+        info: kv_ev.ContextInfo = await self.call("kv", kv_ev.DescribeContext, context=context)
+        return info
+
+    async def forward(
+        self,
+        context: int,
+        tokens: list[int] | tuple[int, ...],
+        slots: tuple[SamplingSlot, ...] = (),
+        *,
+        positions: tuple[int, ...] | None = None,
+        attention_masks: tuple[Rle, ...] | None = None,
+        logit_mask: Rle | None = None,
+    ) -> tuple[SlotOutput, ...]:
+        """Appends `tokens` to the context in one pass and returns one output per slot."""
+        done: ForwardCompleted = await self.call(
+            "kv", kv_ev.SubmitForward, context=context, tokens=tuple(tokens), positions=positions,
+            attention_masks=attention_masks, logit_mask=logit_mask, slots=tuple(slots),
+        )
+        return done.outputs
+
+    # -- messaging ---------------------------------------------------------------------------
+
+    async def push(self, queue: str, message: str) -> None:
+        await self.call("bus", bus_ev.Push, queue=queue, message=message)
+
+    async def pull(self, queue: str) -> str:
+        return (await self.call("bus", bus_ev.Pull, queue=queue)).message
+
+    async def publish(self, topic: str, message: str) -> None:
+        await self.call("bus", bus_ev.Publish, topic=topic, message=message)
+
+    async def subscribe(self, topic: str, buffer: int = 1024) -> trio.MemoryReceiveChannel[bus_ev.TopicMessage]:
+        """Messages published on `topic` from now on (a full buffer drops the newest)."""
+        corr = next(self._corr)
+        send, receive = trio.open_memory_channel[bus_ev.TopicMessage](buffer)
+        self._topics[corr] = send
+        reply = _Reply()
+        self._waiting[corr] = reply
+        event = bus_ev.Subscribe(corr=corr, requester=self.address, topic=topic)
+        await self.router.send(self.address, "bus", event)
+        await reply.done.wait()
+        return receive
+
+    async def close(self) -> None:
+        """Releases every context this requester owns and leaves the bus."""
+        with trio.move_on_after(5, shield=True):
+            await self.call("kv", kv_ev.ReleaseRequester)
+            await self.call("bus", bus_ev.LeaveBus)
+        self.router.unregister(self.address)
+        for channel in self._topics.values():
+            channel.close()
+
+
+def correlation_ids() -> Iterator[int]:
+    """The engine-wide source of correlation ids (one per request, never reused)."""
+    return itertools.count(1)

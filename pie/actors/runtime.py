@@ -1,0 +1,151 @@
+"""The actor runtime: addressed bounded mailboxes, a router that logs every delivery, and
+the Actor base class every shell builds on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+from attrs import define, frozen
+
+from pie.eventlog.log import EventLog
+
+
+class MailboxOverrun(RuntimeError):
+    """A reply edge found its destination's mailbox full (it would otherwise deadlock)."""
+
+
+class UnknownAddress(LookupError):
+    """No actor or requester is registered under this address."""
+
+
+@frozen(kw_only=True)
+class MailboxStatistics:
+    address: str
+    received: int
+    queued: int
+    capacity: int
+
+
+@define
+class _Mailbox:
+    send: trio.MemorySendChannel[Any]
+    receive: trio.MemoryReceiveChannel[Any]
+    capacity: int
+    delivered: int = 0
+
+
+class Router:
+    """Delivers events between addresses. Every delivery is appended to the event log."""
+
+    def __init__(self, log: EventLog | None = None) -> None:
+        self._boxes: dict[str, _Mailbox] = {}
+        self.log = log
+
+    def register(self, address: str, capacity: int = 1024) -> trio.MemoryReceiveChannel[Any]:
+        if address in self._boxes:
+            raise ValueError(f"address {address!r} is already registered")
+        send, receive = trio.open_memory_channel[Any](capacity)
+        self._boxes[address] = _Mailbox(send, receive, capacity)
+        return receive
+
+    def unregister(self, address: str) -> None:
+        box = self._boxes.pop(address, None)
+        if box is not None:
+            box.send.close()
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._boxes
+
+    async def send(self, src: str, dst: str, event: Any) -> None:
+        """Delivers, waiting while the mailbox is full (use for command edges)."""
+        box = self._box(dst)
+        self._record(src, dst, event, box)
+        await box.send.send(event)
+
+    def send_nowait(self, src: str, dst: str, event: Any) -> bool:
+        """Delivers at once (use for reply edges). A vanished destination drops the event
+        and returns False; a full mailbox raises MailboxOverrun."""
+        box = self._boxes.get(dst)
+        if box is None:
+            return False
+        self._record(src, dst, event, box)
+        try:
+            box.send.send_nowait(event)
+        except trio.WouldBlock:
+            raise MailboxOverrun(f"mailbox of {dst!r} is full ({box.capacity})") from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        return True
+
+    def statistics(self) -> list[MailboxStatistics]:
+        return [
+            MailboxStatistics(
+                address=address,
+                received=box.delivered,
+                queued=box.send.statistics().current_buffer_used,
+                capacity=box.capacity,
+            )
+            for address, box in self._boxes.items()
+        ]
+
+    def close(self) -> None:
+        for box in self._boxes.values():
+            box.send.close()
+
+    def _box(self, dst: str) -> _Mailbox:
+        try:
+            return self._boxes[dst]
+        except KeyError:
+            raise UnknownAddress(f"no actor at {dst!r}") from None
+
+    def _record(self, src: str, dst: str, event: Any, box: _Mailbox) -> None:
+        box.delivered += 1
+        if self.log is not None:
+            self.log.append(src, dst, event)
+
+
+class Actor:
+    """An addressed mailbox and a loop that hands each event to `handle`.
+
+    Subclasses implement `handle` (usually: feed the event to a pure core, send its outputs).
+    Start with `await nursery.start(actor.run)`; the loop ends when the mailbox is closed.
+    """
+
+    def __init__(self, address: str, router: Router, capacity: int = 1024) -> None:
+        self.address = address
+        self.router = router
+        self._inbox = router.register(address, capacity)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.started()
+        task_status.started()
+        async with self._inbox:
+            async for event in self._inbox:
+                await self.handle(event)
+
+    async def started(self) -> None:
+        """Hook run before readiness is reported."""
+
+    async def handle(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def emit(self, outputs: list[tuple[str, Any]]) -> None:
+        """Sends a core's outputs; actor-to-actor edges in pie are replies, so never block."""
+        for dst, event in outputs:
+            self.router.send_nowait(self.address, dst, event)
+
+
+class CoreActor(Actor):
+    """An actor whose whole behaviour is a pure core: `core.handle(event)` returns the
+    (destination, event) pairs to send; `core.statistics()` describes it."""
+
+    def __init__(self, core: Any, address: str, router: Router, capacity: int = 65536) -> None:
+        super().__init__(address, router, capacity)
+        self.core = core
+
+    async def handle(self, event: Any) -> None:
+        self.emit(self.core.handle(event))
+
+    def statistics(self) -> Any:
+        return self.core.statistics()

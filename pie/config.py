@@ -1,0 +1,111 @@
+"""Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log].
+
+Every key has a default, so no file is needed for the default model. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from attrs import field, frozen
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _choice(*allowed: str) -> Any:
+    def check(_: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in allowed and not (attribute.name == "device" and value.startswith("cuda:")):
+            raise ValueError(f"{attribute.name} must be one of {', '.join(allowed)}, got {value!r}")
+
+    return check
+
+
+def _at_least(n: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute, value: int) -> None:
+        if value < n:
+            raise ValueError(f"{attribute.name} must be >= {n}, got {value}")
+
+    return check
+
+
+@frozen(kw_only=True)
+class ModelConfig:
+    path: str = DEFAULT_MODEL
+    """The alias `smollm2-135m`, an HF model directory, or a .gguf file."""
+    dtype: str = field(default="auto", validator=_choice("auto", "float32", "bfloat16", "float16"))
+    """auto: float32 on the CPU, bfloat16 on CUDA."""
+    device: str = field(default="auto", validator=_choice("auto", "cpu", "cuda"))
+
+
+@frozen(kw_only=True)
+class KvConfig:
+    page_size: int = field(default=16, validator=_at_least(1))
+    num_pages: int = field(default=0, validator=_at_least(0))
+    """0 sizes the pool from memory_mb (CPU) or memory_fraction (CUDA)."""
+    memory_mb: int = field(default=1024, validator=_at_least(1))
+    memory_fraction: float = 0.5
+    """Of the GPU memory still free after loading the model."""
+
+
+@frozen(kw_only=True)
+class SchedulerConfig:
+    max_batch_tokens: int = field(default=512, validator=_at_least(1))
+    max_batch_requests: int = field(default=64, validator=_at_least(1))
+
+
+@frozen(kw_only=True)
+class EventLogConfig:
+    enabled: bool = True
+    ring_size: int = field(default=100_000, validator=_at_least(0))
+    path: str = ""
+    """When set, every event is also appended to this JSON-lines file."""
+
+
+@frozen(kw_only=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    kv: KvConfig = KvConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    event_log: EventLogConfig = EventLogConfig()
+
+
+class ConfigError(ValueError):
+    """A config file that could not be read; the message names the bad keys."""
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    try:
+        return _converter.structure(data, EngineConfig)
+    except cattrs.BaseValidationError as exc:
+        raise ConfigError("; ".join(cattrs.transform_error(exc))) from exc
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def load_config(path: str | Path | None = None) -> EngineConfig:
+    """The config in `path` (TOML), or the defaults when `path` is None."""
+    if path is None:
+        return EngineConfig()
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    return config_from_dict(data)
+
+
+def with_overrides(config: EngineConfig, **sections: dict[str, Any]) -> EngineConfig:
+    """A copy with some keys replaced, e.g. with_overrides(c, model={"path": "x.gguf"})."""
+    changes = {
+        name: attrs.evolve(getattr(config, name), **{k: v for k, v in values.items() if v is not None})
+        for name, values in sections.items()
+    }
+    return attrs.evolve(config, **changes)

@@ -1,0 +1,89 @@
+"""The paged KV cache of a torch driver: one tensor holding every layer's pages, and the
+arithmetic that turns (page, offset) slots into rows of a layer's flat K and V views."""
+
+from __future__ import annotations
+
+import torch
+from attrs import frozen
+
+
+@frozen(kw_only=True)
+class KvCacheShape:
+    """What one page holds: page_size slots of K and V for every layer."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_page(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
+
+
+def pages_for_budget(budget_bytes: int, shape: KvCacheShape) -> int:
+    """How many whole pages fit in `budget_bytes`; raises ValueError when not even one does."""
+    pages = budget_bytes // shape.bytes_per_page
+    if pages < 1:
+        raise ValueError(
+            f"a KV budget of {budget_bytes} bytes holds no page of {shape.bytes_per_page} bytes"
+        )
+    return int(pages)
+
+
+class PagedKvCache:
+    """KV pages shaped [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim].
+
+    One allocation for all layers so that a page copy is a single index_copy_ across every
+    layer, and so that sizing from a memory budget is one number. Each layer's slice is a
+    contiguous [num_pages, 2, page_size, heads, dim] tensor, the flashinfer NHD layout, so a
+    layer can be handed to a paged kernel as is. Flattened to rows, the K of slot (page p,
+    offset o) is row p * 2 * page_size + o and its V is page_size rows further on.
+    """
+
+    def __init__(self, shape: KvCacheShape, num_pages: int, device: str | torch.device) -> None:
+        self.shape = shape
+        self.num_pages = num_pages
+        self.kv = torch.zeros(
+            (shape.num_layers, num_pages, 2, shape.page_size, shape.num_kv_heads, shape.head_dim),
+            dtype=shape.dtype,
+            device=device,
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.shape.page_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.shape.bytes_per_page
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """One layer's pages, [num_pages, 2, page_size, heads, dim] (a view)."""
+        return self.kv[layer]
+
+    def layer_rows(self, layer: int) -> torch.Tensor:
+        """One layer's pages as rows [num_pages * 2 * page_size, heads, dim] (a view)."""
+        return self.kv[layer].view(-1, self.shape.num_kv_heads, self.shape.head_dim)
+
+    def slot_rows(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
+        """Row of each slot's K in `layer_rows`; add `page_size` for its V."""
+        return slot_pages * (2 * self.page_size) + slot_offsets
+
+    def write(self, layer: int, k_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores k, v [T, heads, dim] at the slots whose K rows are `k_rows` [T]."""
+        rows = self.layer_rows(layer)
+        rows.index_copy_(0, k_rows, k.to(rows.dtype))
+        rows.index_copy_(0, k_rows + self.page_size, v.to(rows.dtype))
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies pages src[i] -> dst[i] in every layer; `src` is read before any write."""
+        if src.numel() == 0:
+            return
+        self.kv.index_copy_(1, dst, self.kv.index_select(1, src))

@@ -1,0 +1,160 @@
+"""Convert a GGUF file into an HF-style folder: config.json from its metadata, float32
+safetensors under HF names (q/k rows restored to HF order) and the tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors and tokenizer files for gguf_path into out_dir."""
+    reader = GGUFReader(gguf_path)
+    config = hf_config(reader)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(hf_tensors(reader, config), str(out_dir / "model.safetensors"))
+    _convert_tokenizer(gguf_path, out_dir)
+
+
+def hf_config(reader: GGUFReader) -> dict[str, Any]:
+    """An HF config.json dict from the GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+                         f"{sorted(_ARCHITECTURES)}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # llama.cpp folds Llama 3.1 rope scaling into this tensor and drops its parameters.
+        raise ValueError("unsupported GGUF: rope frequency factors (rope_freqs.weight)")
+    model_type, hf_class = _ARCHITECTURES[arch]
+    meta = {key: _field(reader, f"{arch}.{key}") for key in _ARCH_KEYS}
+    hidden, heads = meta["embedding_length"], meta["attention.head_count"]
+    names = {t.name for t in reader.tensors}
+    return {
+        "model_type": model_type,
+        "architectures": [hf_class],
+        "hidden_size": hidden,
+        "intermediate_size": meta["feed_forward_length"],
+        "num_hidden_layers": meta["block_count"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta["attention.head_count_kv"] or heads,
+        "head_dim": meta["attention.key_length"] or meta["rope.dimension_count"] or hidden // heads,
+        "rope_theta": meta["rope.freq_base"] or 10000.0,
+        "rms_norm_eps": meta["attention.layer_norm_rms_epsilon"],
+        "vocab_size": _tensor_rows(reader, "token_embd.weight"),
+        "max_position_embeddings": meta["context_length"],
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_ids(reader),
+        "torch_dtype": "float32",
+    }
+
+
+_ARCH_KEYS = (
+    "block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "rope.dimension_count", "rope.freq_base",
+    "attention.layer_norm_rms_epsilon", "context_length",
+)
+
+
+def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32 under its HF name."""
+    tensors = {}
+    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit=" tensors", leave=False):
+        name = hf_name(tensor.name)
+        weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        tensors[name] = torch.from_numpy(_unpermute(weights, name, config))
+    return tensors
+
+
+def hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> HF parameter name; ValueError for tensors we cannot place."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match and match[2] in _BLOCK_NAMES:
+        return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def _unpermute(weights: np.ndarray, name: str, config: dict[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's conversion of llama q/k rows from rotate-half to interleaved pairs.
+
+    The converter regrouped each head's rows [half0 | half1] as (row i of half0, row i of half1)
+    pairs; viewing rows as (heads, pair index, 2) and swapping the last two axes restores them.
+    """
+    if config["model_type"] != "llama":
+        return weights
+    if name.endswith("self_attn.q_proj.weight"):
+        heads = config["num_attention_heads"]
+    elif name.endswith("self_attn.k_proj.weight"):
+        heads = config["num_key_value_heads"]
+    else:
+        return weights
+    rows = weights.shape[0]
+    grouped = weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(weights.shape))
+
+
+def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    # transformers rebuilds a fast tokenizer (and the chat template) from GGUF metadata; saving it
+    # once means later loads read plain tokenizer.json without the slow GGUF parse.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _tensor_rows(reader: GGUFReader, name: str) -> int:
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return int(tensor.shape[-1])
+    raise ValueError(f"GGUF has no tensor {name!r}")
+
+
+def _eos_ids(reader: GGUFReader) -> list[int]:
+    ids = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    return list(dict.fromkeys(i for i in ids if i is not None))

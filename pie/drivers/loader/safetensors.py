@@ -1,0 +1,120 @@
+"""Copy the weights of an HF safetensors checkpoint (one file or an indexed set of shards) into a
+model, routing separate q/k/v and gate/up weights into the model's fused projections."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from pie.drivers.models import CausalLM
+from pie.drivers.models.layers import FusedLinear
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of an HF folder, sharded or not."""
+    index = folder / _INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / _SINGLE).is_file():
+        return [folder / _SINGLE]
+    raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in {folder}")
+
+
+def load_safetensors(model: CausalLM, folder: Path) -> None:
+    """Fill every parameter of model from folder; ValueError lists missing or unexpected ones."""
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, str | int | None]] = set()
+    unexpected: list[str] = []
+    for name, tensor in _progress(_read_tensors(checkpoint_files(folder)), folder):
+        if _is_ignored(name, model):
+            continue
+        target, shard = _route(name, model.packed_modules_mapping)
+        if target not in params:
+            unexpected.append(name)
+            continue
+        _copy(model, target, params[target], tensor, shard)
+        loaded.add((target, shard))
+    missing = _missing(model, params, loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {folder} does not match {type(model).__name__}: "
+            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
+        )
+
+
+def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _progress(
+    tensors: Iterator[tuple[str, torch.Tensor]], folder: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    return tqdm(tensors, desc=f"loading {folder.name}", unit=" tensors", leave=False)
+
+
+def _is_ignored(name: str, model: CausalLM) -> bool:
+    # Older checkpoints store rope inv_freq; ours are recomputed. A tied lm_head may be saved too.
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and model.config.tie_word_embeddings
+
+
+def _route(name: str, mapping: dict[str, tuple[str, int | str]]) -> tuple[str, str | int | None]:
+    """HF name -> (our parameter name, shard id or None when it is not fused)."""
+    for fragment, (fused, shard) in mapping.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard
+    return name, None
+
+
+def _copy(
+    model: nn.Module,
+    target: str,
+    param: nn.Parameter,
+    tensor: torch.Tensor,
+    shard: str | int | None,
+) -> None:
+    if shard is not None:
+        module = model.get_submodule(target.rsplit(".", 1)[0])
+        assert isinstance(module, FusedLinear), target
+        try:
+            module.load_shard(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{target}: {e}") from None
+        return
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"{target}: expected shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _missing(
+    model: nn.Module, params: dict[str, nn.Parameter], loaded: set[tuple[str, str | int | None]]
+) -> list[str]:
+    missing = []
+    for name in params:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        shards: list[str | int | None] = (
+            list(module.shards) if isinstance(module, FusedLinear) else [None]
+        )
+        missing += [
+            name if shard is None else f"{name}[{shard}]"
+            for shard in shards
+            if (name, shard) not in loaded
+        ]
+    return missing

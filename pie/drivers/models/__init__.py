@@ -1,0 +1,29 @@
+"""Model architectures by HF `model_type`, and construction of an empty model for a config."""
+
+from __future__ import annotations
+
+import torch
+
+from pie.drivers.models import llama, qwen2, qwen3  # noqa: F401  (importing registers them)
+from pie.drivers.models.base import MODEL_REGISTRY, AttentionFn, CausalLM, ModelConfig
+
+__all__ = ["MODEL_REGISTRY", "AttentionFn", "CausalLM", "ModelConfig", "build_model"]
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """An uninitialised model of config's architecture, allocated directly on device in dtype."""
+    try:
+        model_cls = MODEL_REGISTRY[config.model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {config.model_type!r}; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None
+    previous = torch.get_default_dtype()
+    # Allocating in the target dtype and device avoids a float32 copy of a large model on the host.
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model

@@ -1,0 +1,244 @@
+"""The plain-torch driver (CPU, or any torch device): checks a batch, applies page copies,
+runs the model with paged attention, and reads every sampling slot out of the logits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from attrs import frozen
+
+from pie.drivers.attention import PagedAttention, rle_rows
+from pie.drivers.base import DriverError, DriverInfo
+from pie.drivers.batch import ForwardBatch
+from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
+from pie.drivers.models.base import CausalLM, ModelConfig
+from pie.drivers.sampling import read_slots
+from pie.events.sampling import PROBES, SAMPLERS, LogProbs, Rle, SlotOutput
+
+
+@frozen(kw_only=True)
+class DriverStatistics:
+    passes: int
+    tokens: int
+    last_pass_seconds: float
+    total_seconds: float
+
+
+def _check_rle(runs: Rle, lengths: Sequence[int], what: str) -> None:
+    if any(run < 0 for run in runs):
+        raise DriverError(f"{what} has a negative run length")
+    if sum(runs) not in lengths:
+        expected = " or ".join(str(n) for n in lengths)
+        raise DriverError(f"{what} runs add up to {sum(runs)}, expected {expected}")
+
+
+def _check_shape(batch: ForwardBatch, info: DriverInfo) -> None:
+    """The flat lists agree with each other and with the driver's limits."""
+    r = batch.num_requests
+    if len(batch.positions) != batch.num_tokens:
+        raise DriverError(
+            f"batch has {batch.num_tokens} token ids but {len(batch.positions)} positions"
+        )
+    per_request = {
+        "qo_indptr": len(batch.qo_indptr) - 1,
+        "kv_page_indptr": len(batch.kv_page_indptr) - 1,
+        "masked_pages": len(batch.masked_pages),
+        "attention_masks": len(batch.attention_masks),
+        "logit_masks": len(batch.logit_masks),
+    }
+    for name, count in per_request.items():
+        if count != r:
+            raise DriverError(f"batch has {r} requests but {name} describes {count}")
+    if batch.qo_indptr[0] != 0 or batch.qo_indptr[-1] != batch.num_tokens:
+        raise DriverError(f"qo_indptr does not span the batch's {batch.num_tokens} tokens")
+    if batch.kv_page_indptr[0] != 0 or batch.kv_page_indptr[-1] != len(batch.kv_page_indices):
+        raise DriverError("kv_page_indptr does not span kv_page_indices")
+    if batch.num_tokens > info.max_batch_tokens:
+        raise DriverError(f"batch has {batch.num_tokens} tokens, limit {info.max_batch_tokens}")
+    if r > info.max_batch_requests:
+        raise DriverError(f"batch has {r} requests, limit {info.max_batch_requests}")
+
+
+def _check_request(batch: ForwardBatch, r: int, info: DriverInfo) -> None:
+    """Request r's tokens, pages and attention masks are consistent and in range."""
+    what = f"request {r}"
+    start, end = batch.qo_indptr[r], batch.qo_indptr[r + 1]
+    n, kv_len = end - start, batch.kv_lens[r]
+    pages = batch.kv_page_indices[batch.kv_page_indptr[r] : batch.kv_page_indptr[r + 1]]
+    if n < 1:
+        raise DriverError(f"{what} has no tokens")
+    if kv_len < n:
+        raise DriverError(f"{what} has kv_len {kv_len}, smaller than its {n} new tokens")
+    if len(pages) * info.page_size < kv_len:
+        raise DriverError(f"{what} has {len(pages)} pages, too few for kv_len {kv_len}")
+    if any(not 0 <= p < info.num_pages for p in pages):
+        raise DriverError(f"{what} names a page outside [0, {info.num_pages})")
+    if any(not 0 <= p < len(pages) for p in batch.masked_pages[r]):
+        raise DriverError(f"{what} masks a page index outside its {len(pages)} pages")
+    tokens = batch.token_ids[start:end]
+    if min(tokens) < 0 or max(tokens) >= info.vocab_size:
+        raise DriverError(f"{what} has a token id outside [0, {info.vocab_size})")
+    masks = batch.attention_masks[r]
+    if masks is not None:
+        if len(masks) != n:
+            raise DriverError(f"{what} has {len(masks)} attention masks for {n} tokens")
+        for t, mask in enumerate(masks):
+            slot = kv_len - n + t
+            _check_rle(mask, (slot + 1, kv_len), f"{what} attention mask of token {t}")
+    logit_mask = batch.logit_masks[r]
+    if logit_mask is not None:
+        _check_rle(logit_mask, (info.vocab_size,), f"{what} logit mask")
+        if sum(logit_mask[0::2]) == 0:
+            raise DriverError(f"{what} logit mask allows no token")
+
+
+def _check_slots(batch: ForwardBatch, info: DriverInfo) -> None:
+    """Each sampling slot reads a token of its own request with a known op."""
+    count = len(batch.slot_ops)
+    if len(batch.slot_requests) != count or len(batch.slot_tokens) != count:
+        raise DriverError("slot_requests, slot_tokens and slot_ops differ in length")
+    for i, (r, token, op) in enumerate(
+        zip(batch.slot_requests, batch.slot_tokens, batch.slot_ops, strict=True)
+    ):
+        if not 0 <= r < batch.num_requests:
+            raise DriverError(f"slot {i} names request {r}, not in the batch")
+        if not batch.qo_indptr[r] <= token < batch.qo_indptr[r + 1]:
+            raise DriverError(f"slot {i} of request {r} reads token {token}, not one of its own")
+        if not isinstance(op, (*SAMPLERS, *PROBES)):
+            raise DriverError(f"slot {i} of request {r} has an unknown op {op!r}")
+        if isinstance(op, LogProbs) and any(not 0 <= t < info.vocab_size for t in op.tokens):
+            raise DriverError(f"slot {i} of request {r} asks log-probs of a token out of range")
+
+
+def _check_copies(batch: ForwardBatch, info: DriverInfo) -> None:
+    for src, dst in batch.copies:
+        if not (0 <= src < info.num_pages and 0 <= dst < info.num_pages):
+            raise DriverError(f"page copy {src} -> {dst} names a page outside [0, {info.num_pages})")
+    destinations = [dst for _, dst in batch.copies]
+    if len(set(destinations)) != len(destinations):
+        raise DriverError("two page copies write the same page")
+
+
+def validate_batch(batch: ForwardBatch, info: DriverInfo) -> None:
+    """Raises DriverError naming the request and the problem when `batch` is malformed."""
+    _check_shape(batch, info)
+    for r in range(batch.num_requests):
+        _check_request(batch, r, info)
+    _check_slots(batch, info)
+    _check_copies(batch, info)
+
+
+class TorchDriver:
+    """A Driver over any CausalLM on one torch device.
+
+    The model must already live on `device`; `dtype` is the KV cache's element type. Every
+    pass runs under inference_mode, and a batch is fully validated (and its masks built)
+    before the first KV page is touched.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        *,
+        page_size: int,
+        num_pages: int,
+        max_batch_tokens: int,
+        max_batch_requests: int,
+        device: str,
+        dtype: torch.dtype,
+        model_name: str,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.info = DriverInfo(
+            model_name=model_name,
+            vocab_size=config.vocab_size,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_requests=max_batch_requests,
+            device=device,
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        self.cache = PagedKvCache(_cache_shape(config, page_size, dtype), num_pages, device)
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self._stats = DriverStatistics(passes=0, tokens=0, last_pass_seconds=0.0, total_seconds=0.0)
+
+    @staticmethod
+    def pages_for_budget(
+        config: ModelConfig, *, budget_bytes: int, page_size: int, dtype: torch.dtype
+    ) -> int:
+        """num_pages for a KV cache of at most `budget_bytes` with this model's shape."""
+        return pages_for_budget(budget_bytes, _cache_shape(config, page_size, dtype))
+
+    def statistics(self) -> DriverStatistics:
+        return self._stats
+
+    def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            outputs = self._run(batch)
+        elapsed = time.perf_counter() - started
+        s = self._stats
+        self._stats = DriverStatistics(
+            passes=s.passes + 1,
+            tokens=s.tokens + batch.num_tokens,
+            last_pass_seconds=elapsed,
+            total_seconds=s.total_seconds + elapsed,
+        )
+        return outputs
+
+    def _run(self, batch: ForwardBatch) -> list[SlotOutput]:
+        validate_batch(batch, self.info)
+        attention = PagedAttention(batch, self.cache)
+        allowed = self._allowed_tokens(batch)
+        self._copy_pages(batch.copies)
+        device = self.cache.device
+        hidden = self.model(
+            torch.tensor(batch.token_ids, dtype=torch.long, device=device),
+            torch.tensor(batch.positions, dtype=torch.long, device=device),
+            attention,
+        )
+        if not batch.slot_ops:
+            return []
+        slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long, device=device)
+        logits = self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
+        return read_slots(logits, batch.slot_ops, self.generator, allowed)
+
+    def _allowed_tokens(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """[slots, vocab] bool from each slot's request logit mask; None when none has one."""
+        masked = [
+            (i, mask)
+            for i, r in enumerate(batch.slot_requests)
+            if (mask := batch.logit_masks[r]) is not None
+        ]
+        if not masked:
+            return None
+        allowed = torch.ones((len(batch.slot_ops), self.info.vocab_size), dtype=torch.bool)
+        allowed[[i for i, _ in masked]] = rle_rows([m for _, m in masked], self.info.vocab_size)
+        return allowed.to(self.cache.device)
+
+    def _copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        device = self.cache.device
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+        self.cache.copy_pages(src, dst)
+
+
+def _cache_shape(config: ModelConfig, page_size: int, dtype: torch.dtype) -> KvCacheShape:
+    return KvCacheShape(
+        num_layers=config.num_layers,
+        page_size=page_size,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )

@@ -1,0 +1,129 @@
+"""Wiring: one nursery, the actors connected through the router, start order, graceful stop."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from attrs import frozen
+
+from pie.actors.bus import BusCore, BusStatistics
+from pie.actors.inference import InferenceActor, InferenceStatistics
+from pie.actors.kv import KvCore, KvStatistics
+from pie.actors.requester import Requester, correlation_ids
+from pie.actors.runtime import CoreActor, MailboxStatistics, Router
+from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
+from pie.actors.scheduler.actor import SchedulerActor
+from pie.config import EngineConfig
+from pie.drivers.base import Driver, DriverInfo
+from pie.eventlog import EventLog
+
+
+@frozen(kw_only=True)
+class EngineStatistics:
+    kv: KvStatistics
+    scheduler: SchedulerStatistics
+    inference: InferenceStatistics
+    bus: BusStatistics
+    mailboxes: tuple[MailboxStatistics, ...]
+    logged_events: int
+
+
+class Engine:
+    """A running engine. Use `open_engine`; talk to it through `requester()`."""
+
+    def __init__(
+        self, config: EngineConfig, driver: Driver, tokenizer: Any, nursery: trio.Nursery,
+    ) -> None:
+        self.config = config
+        self.driver = driver
+        self.tokenizer = tokenizer
+        self.info: DriverInfo = driver.info
+        log_config = config.event_log
+        self.log = (
+            EventLog(ring_size=log_config.ring_size, path=log_config.path or None)
+            if log_config.enabled
+            else None
+        )
+        self.router = Router(self.log)
+        self._nursery = nursery
+        self._corr = correlation_ids()
+        self._names = itertools.count(1)
+        policy = BatchPolicy(
+            max_batch_tokens=min(config.scheduler.max_batch_tokens, self.info.max_batch_tokens),
+            max_batch_requests=min(config.scheduler.max_batch_requests, self.info.max_batch_requests),
+        )
+        self.kv = CoreActor(
+            KvCore(num_pages=self.info.num_pages, page_size=self.info.page_size, vocab_size=self.info.vocab_size),
+            "kv", self.router,
+        )
+        self.scheduler = SchedulerActor(SchedulerCore(policy), self.router)
+        self.inference = InferenceActor(driver, self.router)
+        self.bus = CoreActor(BusCore(), "bus", self.router)
+
+    async def _start(self) -> None:
+        for actor in (self.inference, self.scheduler, self.kv, self.bus):
+            await self._nursery.start(actor.run)
+
+    @contextlib.asynccontextmanager
+    async def requester(self, name: str | None = None) -> AsyncIterator[Requester]:
+        """A new address that owns the contexts it creates; they are destroyed when it closes."""
+        address = name or f"client:{next(self._names)}"
+        requester = Requester(self.router, address, self._corr)
+        await self._nursery.start(requester.run)
+        try:
+            yield requester
+        finally:
+            await requester.close()
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            kv=self.kv.statistics(),
+            scheduler=self.scheduler.statistics(),
+            inference=self.inference.statistics(),
+            bus=self.bus.statistics(),
+            mailboxes=tuple(self.router.statistics()),
+            logged_events=len(self.log) if self.log is not None else 0,
+        )
+
+    async def _drain(self, timeout: float) -> None:
+        """Lets passes already placed finish, so no completed work is lost."""
+        with trio.move_on_after(timeout, shield=True):
+            while self.kv.core.in_flight:
+                await trio.sleep(0.01)
+
+    def _close(self) -> None:
+        self.router.close()
+        if self.log is not None:
+            self.log.close()
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    config: EngineConfig | None = None,
+    *,
+    driver: Driver | None = None,
+    tokenizer: Any = None,
+    drain_seconds: float = 30.0,
+) -> AsyncIterator[Engine]:
+    """Starts every actor in one nursery and stops them gracefully on exit.
+
+    Without `driver`, the configured model is loaded (off the Trio thread) into a torch driver.
+    """
+    config = config or EngineConfig()
+    if driver is None:
+        from pie.drivers.factory import build_torch_driver
+
+        driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
+    async with trio.open_nursery() as nursery:
+        engine = Engine(config, driver, tokenizer, nursery)
+        await engine._start()
+        try:
+            yield engine
+        finally:
+            await engine._drain(drain_seconds)
+            engine._close()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,43 @@
+"""Events between the kv actor, the scheduler, the inference actor and the requester."""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+from pie.events.forward import ForwardRequest
+from pie.events.sampling import SlotOutput
+
+
+@frozen(kw_only=True)
+class ScheduleForward:
+    """A placed request for the scheduler to put in a batch."""
+
+    request: ForwardRequest
+
+
+@frozen(kw_only=True)
+class ExecuteBatch:
+    """The scheduler's decision: run these requests in one forward pass."""
+
+    batch: int
+    requests: tuple[ForwardRequest, ...]
+
+
+@frozen(kw_only=True)
+class PassFinished:
+    """The driver finished a batch; the scheduler paces its firing on `seconds`."""
+
+    batch: int
+    seconds: float
+    requests: int
+    tokens: int
+    ok: bool = True
+
+
+@frozen(kw_only=True)
+class ForwardCompleted:
+    """The answer to a SubmitForward: one output per sampling slot, in slot order."""
+
+    corr: int
+    context: int
+    outputs: tuple[SlotOutput, ...]

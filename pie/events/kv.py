@@ -1,0 +1,165 @@
+"""Commands to the kv actor and the facts it answers with."""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from pie.events.sampling import Rle, SamplingSlot
+
+
+@frozen(kw_only=True)
+class CreateContext:
+    corr: int
+    requester: str
+
+
+@frozen(kw_only=True)
+class ForkContext:
+    corr: int
+    requester: str
+    context: int
+
+
+@frozen(kw_only=True)
+class DestroyContext:
+    corr: int
+    requester: str
+    context: int
+
+
+@frozen(kw_only=True)
+class SaveContext:
+    """Snapshot a context under a name (per user) that outlives its requester."""
+
+    corr: int
+    requester: str
+    context: int
+    name: str
+    user: str = "local"
+
+
+@frozen(kw_only=True)
+class OpenContext:
+    """A new context forked from a snapshot; `take` also removes the snapshot."""
+
+    corr: int
+    requester: str
+    name: str
+    user: str = "local"
+    take: bool = False
+
+
+@frozen(kw_only=True)
+class DeleteSnapshot:
+    corr: int
+    requester: str
+    name: str
+    user: str = "local"
+
+
+@frozen(kw_only=True)
+class TruncateContext:
+    """Drop the last `count` tokens (and their pages once empty)."""
+
+    corr: int
+    requester: str
+    context: int
+    count: int
+
+
+@frozen(kw_only=True)
+class MaskPages:
+    """Hide (or show again) whole pages of a context from attention: windows and sinks."""
+
+    corr: int
+    requester: str
+    context: int
+    pages: tuple[int, ...]
+    masked: bool = True
+
+
+@frozen(kw_only=True)
+class DescribeContext:
+    corr: int
+    requester: str
+    context: int
+
+
+@frozen(kw_only=True)
+class SubmitForward:
+    """Append `tokens` to a context and run them through the model in one pass."""
+
+    corr: int
+    requester: str
+    context: int
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...] | None = None
+    """None continues from the context's last position."""
+    attention_masks: tuple[Rle, ...] | None = None
+    logit_mask: Rle | None = None
+    slots: tuple[SamplingSlot, ...] = ()
+
+
+@frozen(kw_only=True)
+class ReleaseRequester:
+    """The requester is gone: destroy every context it still owns."""
+
+    corr: int
+    requester: str
+
+
+@frozen(kw_only=True)
+class PassApplied:
+    """The inference actor wrote a request's tokens: commit them (or roll them back)."""
+
+    corr: int
+    context: int
+    ok: bool = True
+
+
+KvCommand = (
+    CreateContext
+    | ForkContext
+    | DestroyContext
+    | SaveContext
+    | OpenContext
+    | DeleteSnapshot
+    | TruncateContext
+    | MaskPages
+    | DescribeContext
+    | SubmitForward
+    | ReleaseRequester
+    | PassApplied
+)
+
+
+@frozen(kw_only=True)
+class ContextCreated:
+    corr: int
+    context: int
+
+
+@frozen(kw_only=True)
+class ContextInfo:
+    corr: int
+    context: int
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...] = field(default=())
+    pages: int = 0
+    masked_pages: tuple[int, ...] = ()
+
+
+@frozen(kw_only=True)
+class Done:
+    """A command with nothing else to say succeeded."""
+
+    corr: int
+
+
+@frozen(kw_only=True)
+class RequestFailed:
+    """Any command failed; `kind` is a stable word for programs, `message` is for people."""
+
+    corr: int
+    kind: str
+    message: str
