@@ -20,6 +20,7 @@ from pie.actors.scheduler.actor import SchedulerActor
 from pie.config import EngineConfig
 from pie.drivers.base import Driver, DriverInfo
 from pie.eventlog import EventLog
+from pie.events.batching import EngineStarted
 
 
 @frozen(kw_only=True)
@@ -65,6 +66,14 @@ class Engine:
         self.bus = CoreActor(BusCore(), "bus", self.router)
 
     async def _start(self) -> None:
+        if self.log is not None:
+            started = EngineStarted(
+                model=self.info.model_name, vocab_size=self.info.vocab_size,
+                page_size=self.info.page_size, num_pages=self.info.num_pages,
+                max_batch_tokens=self.scheduler.core.policy.max_batch_tokens,
+                max_batch_requests=self.scheduler.core.policy.max_batch_requests,
+            )
+            self.log.append("engine", "engine", started)
         for actor in (self.inference, self.scheduler, self.kv, self.bus):
             await self._nursery.start(actor.run)
 

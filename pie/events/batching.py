@@ -41,3 +41,15 @@ class ForwardCompleted:
     corr: int
     context: int
     outputs: tuple[SlotOutput, ...]
+
+
+@frozen(kw_only=True)
+class EngineStarted:
+    """First record of every event log: what a replay needs to rebuild the cores."""
+
+    model: str
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    max_batch_tokens: int
+    max_batch_requests: int

@@ -1,0 +1,89 @@
+"""`pie`: generate | log | replay | bench. Results go to stdout; progress and logs to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pie import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pie", description="A programmable LLM serving engine.")
+    parser.add_argument("--version", action="version", version=f"pie {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser("generate", help="complete one prompt on the configured model")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--system", default=None, help="a system message for the chat template")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _engine_options(gen)
+
+    log = commands.add_parser("log", help="print an event log file readably")
+    log.add_argument("file")
+    log.add_argument("--actor", help="only events sent to or by this address")
+    log.add_argument("--corr", type=int, help="only events of this correlation id")
+    log.add_argument("--limit", type=int, default=0, help="print at most this many")
+
+    replay = commands.add_parser("replay", help="replay an actor's inputs from an event log")
+    replay.add_argument("file")
+    replay.add_argument("--actor", default="kv", choices=["kv"])
+
+    bench = commands.add_parser("bench", help="measure decode/prefill speed against transformers")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--decode-tokens", type=int, default=64)
+    bench.add_argument("--concurrency", type=int, default=16)
+    bench.add_argument("--prefill-tokens", type=int, default=256)
+    bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    _engine_options(bench)
+    return parser
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="engine config file (TOML)")
+    parser.add_argument("--model", help="HF model directory, .gguf file, or smollm2-135m")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+
+
+def engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pie.config import load_config, with_overrides
+
+    config = load_config(args.config)
+    return with_overrides(config, model={"path": args.model, "dtype": args.dtype, "device": args.device})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from pie.config import ConfigError
+
+    try:
+        if args.command == "generate":
+            from pie.commands import run_generate
+
+            return run_generate(args)
+        if args.command == "log":
+            from pie.commands import run_log
+
+            return run_log(args)
+        if args.command == "replay":
+            from pie.commands import run_replay
+
+            return run_replay(args)
+        from pie.bench import run_bench
+
+        return run_bench(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"pie: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The bodies of `pie generate`, `pie log` and `pie replay`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import trio
+
+from pie.events import codec
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pie.cli import engine_config
+    from pie.engine import open_engine
+    from pie.generate import generate, make_sampler, prompt_ids
+
+    config = engine_config(args)
+    sampler = make_sampler(args.temperature, top_p=args.top_p, seed=args.seed)
+
+    async def main() -> str:
+        async with open_engine(config) as engine:
+            tokenizer = engine.tokenizer
+            prompt = prompt_ids(tokenizer, args.prompt, raw=args.raw, system=args.system)
+            async with engine.requester("cli") as requester:
+                result = await generate(
+                    requester, prompt, max_tokens=args.max_tokens, sampler=sampler,
+                    stop_tokens=tokenizer.stop_token_ids,
+                )
+            tokens = [t for t in result.tokens if t not in tokenizer.stop_token_ids]
+            rate = len(result.tokens) / result.decode_seconds if result.decode_seconds > 0 else 0.0
+            print(
+                f"pie: {result.prompt_tokens} prompt tokens in {result.prefill_seconds:.2f} s, "
+                f"{len(result.tokens)} generated ({rate:.1f} tokens/s), stop: {result.stop_reason}",
+                file=sys.stderr,
+            )
+            return str(tokenizer.decode(tokens, skip_special_tokens=True))
+
+    print(trio.run(main))
+    return 0
+
+
+def run_log(args: argparse.Namespace) -> int:
+    from pie.eventlog import read_log
+
+    shown = 0
+    for env in read_log(args.file):
+        if args.actor and args.actor not in (env.src, env.dst):
+            continue
+        if args.corr is not None and env.corr != args.corr:
+            continue
+        corr = "-" if env.corr is None else str(env.corr)
+        print(f"{env.seq:>7} {env.time:.6f} {env.src:>12} -> {env.dst:<12} {corr:>6}  {_describe(env.event)}")
+        shown += 1
+        if args.limit and shown >= args.limit:
+            break
+    return 0
+
+
+def _describe(event: Any) -> str:
+    data = codec.encode(event)
+    name = data.pop(codec.TAG)
+    data.pop("corr", None)
+    text = json.dumps(data, separators=(",", ":"))
+    return f"{name} {text if len(text) <= 160 else text[:157] + '...'}"
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from pie.actors.kv import KvCore
+    from pie.eventlog import read_log
+    from pie.eventlog.replay import replay
+    from pie.events.batching import EngineStarted
+
+    envelopes = list(read_log(args.file))
+    started = next((e.event for e in envelopes if isinstance(e.event, EngineStarted)), None)
+    if started is None:
+        print("pie: the log has no EngineStarted record", file=sys.stderr)
+        return 2
+    core = KvCore(num_pages=started.num_pages, page_size=started.page_size, vocab_size=started.vocab_size)
+    result = replay(envelopes, args.actor, core)
+    stats = core.statistics()
+    print(
+        f"replayed {result.inputs} inputs to {args.actor!r}: {result.outputs} outputs, "
+        f"{len(result.mismatches)} mismatches; final pages free {stats.pages_free}/{stats.pages_total}, "
+        f"contexts {stats.contexts}, snapshots {stats.snapshots}"
+    )
+    for line in result.mismatches[:20]:
+        print(f"  {line}")
+    return 0 if result.exact else 1
