@@ -1,4 +1,5 @@
-"""Text <-> token ids and chat formatting for one model, from the HF tokenizer files in its folder."""
+"""Text <-> token ids and chat formatting for one model, read from the HF tokenizer files in
+its folder."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int | None:
-        return self._hf.bos_token_id  # type: ignore[no-any-return]
+        return self._hf.bos_token_id
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -45,16 +46,16 @@ class Tokenizer:
         return {token.content: i for i, token in decoder.items() if token.special}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._hf.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[no-any-return]
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        return self._vocab.token_to_id(token)  # type: ignore[no-any-return]
+        return self._vocab.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._vocab.id_to_token(token_id)  # type: ignore[no-any-return]
+        return self._vocab.id_to_token(token_id)
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
@@ -62,7 +63,7 @@ class Tokenizer:
         """The prompt text the model's own chat template makes of messages."""
         if not self._hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self._hf.apply_chat_template(  # type: ignore[no-any-return]
+        return self._hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 

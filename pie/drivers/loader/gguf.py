@@ -46,10 +46,14 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors and tokenizer files for gguf_path into out_dir."""
-    reader = GGUFReader(gguf_path)
-    config = hf_config(reader)
+    try:
+        reader = GGUFReader(gguf_path)
+        config = hf_config(reader)
+        tensors = hf_tensors(reader, config)
+    except ValueError as e:
+        raise ValueError(f"cannot convert {gguf_path}: {e}") from e
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(hf_tensors(reader, config), str(out_dir / "model.safetensors"))
+    save_file(tensors, str(out_dir / "model.safetensors"))
     _convert_tokenizer(gguf_path, out_dir)
 
 
@@ -57,8 +61,9 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
     """An HF config.json dict from the GGUF metadata."""
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
-                         f"{sorted(_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         # llama.cpp folds Llama 3.1 rope scaling into this tensor and drops its parameters.
         raise ValueError("unsupported GGUF: rope frequency factors (rope_freqs.weight)")
@@ -88,9 +93,16 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
 
 
 _ARCH_KEYS = (
-    "block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-    "attention.head_count_kv", "attention.key_length", "rope.dimension_count", "rope.freq_base",
-    "attention.layer_norm_rms_epsilon", "context_length",
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "attention.layer_norm_rms_epsilon",
+    "context_length",
 )
 
 
@@ -156,5 +168,6 @@ def _tensor_rows(reader: GGUFReader, name: str) -> int:
 
 
 def _eos_ids(reader: GGUFReader) -> list[int]:
-    ids = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    ids = [_field(reader, key) for key in keys]
     return list(dict.fromkeys(i for i in ids if i is not None))

@@ -29,8 +29,10 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> Path:
         return converted_gguf(default_gguf_path(), cache_dir or default_cache_dir())
     path = Path(spec).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model not found: {path} (expected a .gguf file, a folder with "
-                                f"config.json, or {DEFAULT_MODEL!r})")
+        raise FileNotFoundError(
+            f"model not found: {path} (expected a .gguf file, a folder with "
+            f"config.json, or {DEFAULT_MODEL!r})"
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {path} has no config.json")
@@ -75,6 +77,7 @@ def converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     try:
         _convert_with_progress(gguf_path, staging)
         _publish(staging, target)

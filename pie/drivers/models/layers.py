@@ -64,6 +64,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to the model's limit, looked up per batch."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
@@ -107,8 +110,9 @@ class FusedLinear(nn.Linear):
         offset, size = self.shards[shard_id]
         target = param.data.narrow(0, offset, size)
         if target.shape != weight.shape:
-            raise ValueError(f"shard {shard_id!r}: expected {tuple(target.shape)}, got "
-                             f"{tuple(weight.shape)}")
+            raise ValueError(
+                f"shard {shard_id!r}: expected {tuple(target.shape)}, got {tuple(weight.shape)}"
+            )
         target.copy_(weight)
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

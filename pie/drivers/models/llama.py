@@ -29,7 +29,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.qkv_proj = qkv_projection(
-            config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+            config.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
             bias=config.attention_bias,
         )
         o_bias = config.attention_bias if self.o_proj_bias is None else self.o_proj_bias
@@ -78,7 +81,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
             config.rope_scaling,
         )
 

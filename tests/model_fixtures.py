@@ -1,0 +1,29 @@
+"""Shared model fixtures: the default model converted once per checkout. Use them with
+`pytest_plugins = ("model_fixtures",)` or by importing the fixture names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pie.drivers.loader.resolve import default_gguf_path, resolve_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The default SmolLM2 GGUF converted into an HF-style folder, cached inside pytest's cache
+    folder so it is reused across runs and never lands in $HOME (per session when pytest's cache
+    is disabled). The folder lies at <cache>/models/<key>."""
+    cache = getattr(pytestconfig, "cache", None)
+    cache_dir = (
+        tmp_path_factory.mktemp("pie-models") if cache is None else cache.mkdir("pie-models")
+    )
+    return resolve_model(None, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_gguf_path()
