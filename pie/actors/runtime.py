@@ -60,22 +60,26 @@ class Router:
     async def send(self, src: str, dst: str, event: Any) -> None:
         """Delivers, waiting while the mailbox is full (use for command edges)."""
         box = self._box(dst)
+        # A sender cancelled before the hand-off must leave no record, or replay would feed
+        # the receiver an event it never saw. Past this check trio's `send` can only be
+        # cancelled after the hand-off, unless the mailbox is full and it has to wait.
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._record(src, dst, event, box)
         await box.send.send(event)
 
     def send_nowait(self, src: str, dst: str, event: Any) -> bool:
         """Delivers at once (use for reply edges). A vanished destination drops the event
-        and returns False; a full mailbox raises MailboxOverrun."""
+        and returns False; a full mailbox raises MailboxOverrun. Only deliveries are logged."""
         box = self._boxes.get(dst)
         if box is None:
             return False
-        self._record(src, dst, event, box)
         try:
             box.send.send_nowait(event)
         except trio.WouldBlock:
             raise MailboxOverrun(f"mailbox of {dst!r} is full ({box.capacity})") from None
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return False
+        self._record(src, dst, event, box)
         return True
 
     def statistics(self) -> list[MailboxStatistics]:

@@ -1,26 +1,84 @@
 """The one cattrs converter: events <-> JSON-ready dicts tagged with their class name.
 
-Used only at the edges (the event log, later the wire). Extra keys are refused and
-validation errors come back as readable paths.
+Used only at the edges (the event log, later the wire). Extra keys and values of the wrong
+JSON type are refused (no silent coercion) and validation errors come back as readable paths.
 """
 
 from __future__ import annotations
 
 import json
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import cattrs
+from cattrs.cols import homogenous_tuple_structure_factory
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
+from cattrs.v import format_exception
 
 from pie.events import ALL_EVENTS
 from pie.events.sampling import SlotOp, SlotOutput
 
 TAG = "type"
 
+
+class WrongType(TypeError):
+    """A JSON value of the wrong kind where a field expects another (the text says which)."""
+
+
+def _exact(*kinds: type) -> Callable[[Any, Any], Any]:
+    # bool is an int in Python but never in JSON, so it is matched by exact type.
+    names = " or ".join(k.__name__ for k in kinds)
+
+    def structure(value: Any, _: Any) -> Any:
+        if type(value) not in kinds:
+            raise WrongType(f"expected {names}, got {type(value).__name__}")
+        return kinds[0](value)
+
+    return structure
+
+
+def _is_homogeneous_tuple(cl: Any) -> bool:
+    args = typing.get_args(cl)
+    return typing.get_origin(cl) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _array_tuple(cl: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+    items = homogenous_tuple_structure_factory(cl, conv)
+
+    def structure(value: Any, _: Any) -> Any:
+        if not isinstance(value, list | tuple):
+            raise WrongType(f"expected an array, got {type(value).__name__}")
+        return items(value, cl)
+
+    return structure
+
+
+def _tagged(union: Any, conv: cattrs.Converter) -> None:
+    configure_tagged_union(union, conv, tag_name=TAG)
+    members = conv.get_structure_hook(union)
+    tags = sorted(cls.__name__ for cls in typing.get_args(union))
+
+    def structure(value: Any, cl: Any) -> Any:
+        if not isinstance(value, dict):
+            raise WrongType(f"expected an object, got {type(value).__name__}")
+        if value.get(TAG) not in tags:
+            known = ", ".join(tags)
+            raise WrongType(f"unknown {TAG!r} {value.get(TAG)!r}, expected one of {known}")
+        return members(value, cl)
+
+    conv.register_structure_hook(union, structure)
+
+
 converter = make_converter(forbid_extra_keys=True)
-configure_tagged_union(SlotOp, converter, tag_name=TAG)
-configure_tagged_union(SlotOutput, converter, tag_name=TAG)
+converter.register_structure_hook(int, _exact(int))
+converter.register_structure_hook(float, _exact(float, int))
+converter.register_structure_hook(str, _exact(str))
+converter.register_structure_hook(bool, _exact(bool))
+converter.register_structure_hook_factory(_is_homogeneous_tuple, _array_tuple)
+_tagged(SlotOp, converter)
+_tagged(SlotOutput, converter)
 
 _BY_NAME: dict[str, type] = {cls.__name__: cls for cls in ALL_EVENTS}
 
@@ -64,5 +122,13 @@ def loads(text: str | bytes) -> Any:
 
 def _messages(exc: BaseException) -> list[str]:
     if isinstance(exc, cattrs.BaseValidationError):
-        return cattrs.transform_error(exc)
+        return cattrs.transform_error(exc, format_exception=_describe)
     return [str(exc)]
+
+
+def _describe(exc: BaseException, cl: type | None) -> str:
+    if isinstance(exc, WrongType):
+        return str(exc)
+    if isinstance(exc, ValueError) and cl is None:
+        return f"invalid value ({exc})"
+    return format_exception(exc, cl)

@@ -62,3 +62,4 @@ class InFlight:
     added_pages: list[int]
     replaced_tail: tuple[int, int] | None
     """(index, original page) when the tail page was copied before writing."""
+    old_salt: bytes

@@ -127,6 +127,7 @@ class KvCore:
             chain.pages[tail] = fresh
             self._tail_copies += 1
         chain.pages.extend(added)
+        old_salt = chain.salt
         if event.attention_masks is not None:
             chain.salt = _digest(chain.salt, repr(event.attention_masks))
         chain.tokens.extend(event.tokens)
@@ -140,6 +141,7 @@ class KvCore:
             pinned=pinned,
             added_pages=added,
             replaced_tail=replaced,
+            old_salt=old_salt,
         )
         return ForwardRequest(
             corr=event.corr,
@@ -198,6 +200,7 @@ class KvCore:
     def _roll_back(self, chain: Chain, flight: InFlight) -> None:
         del chain.tokens[flight.old_length :]
         del chain.positions[flight.old_length :]
+        chain.salt = flight.old_salt
         for page in flight.added_pages:
             chain.pages.remove(page)
         self.pool.release(flight.added_pages)
@@ -254,6 +257,8 @@ class KvCore:
         chain.masked = {p for p in chain.masked if p < keep}
 
     def _mask(self, chain: Chain, pages: tuple[int, ...], masked: bool) -> None:
+        # The pass in flight was placed under the old mask; its pages must be hashed under it.
+        self._quiet(chain, "mask pages of")
         bad = [p for p in pages if not 0 <= p < len(chain.pages)]
         if bad:
             raise RequestError("invalid", f"page indices {bad} outside 0..{len(chain.pages) - 1}")

@@ -4,6 +4,7 @@ committed pages by content hash."""
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -28,7 +29,9 @@ class PagePool:
     """Page ids 0..num_pages-1. A page is free when nothing owns or pins it.
 
     Owners are contexts and snapshots (a page with more than one owner is shared and must be
-    copied before a write); pins are passes in flight that read or write the page.
+    copied before a write); pins are passes in flight that read or write the page. Allocation
+    takes the lowest free ids, so the next allocation depends only on which pages are free, not
+    on the order they were freed in: undoing a change (a rolled-back pass) restores it exactly.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -37,7 +40,7 @@ class PagePool:
         self.num_pages = num_pages
         self._owners = [0] * num_pages
         self._pins = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages))
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
 
@@ -48,7 +51,7 @@ class PagePool:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise OutOfPages(f"need {count} free KV pages, {len(self._free)} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(count)]
+        pages = [heapq.heappop(self._free) for _ in range(count)]
         for page in pages:
             self._owners[page] = 1
         return pages
@@ -91,13 +94,13 @@ class PagePool:
     def owners(self, page: int) -> int:
         return self._owners[page]
 
-    def state(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Owners, pins and the free list, for comparing two pools exactly."""
-        return tuple(self._owners), tuple(self._pins), tuple(self._free)
+    def state(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, bytes], ...]]:
+        """Owners, pins and the committed pages, for comparing two pools exactly."""
+        return tuple(self._owners), tuple(self._pins), tuple(sorted(self._hash_of.items()))
 
     def _maybe_free(self, page: int) -> None:
         if self._owners[page] == 0 and self._pins[page] == 0:
             content = self._hash_of.pop(page, None)
             if content is not None:
                 del self._by_hash[content]
-            self._free.append(page)
+            heapq.heappush(self._free, page)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pie.events.kv import SubmitForward
 from pie.events.sampling import LogProbs
 
+MAX_POSITION = 2**31
+"""Attention kernels (flashinfer) take positions as int32; the page hash packs them as int64."""
+
 
 class RequestError(Exception):
     """A command the kv actor refuses; `kind` is a stable word for programs."""
@@ -25,8 +28,8 @@ def validate_forward(event: SubmitForward, length: int, vocab_size: int) -> None
         raise RequestError("invalid", f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
     if event.positions is not None and len(event.positions) != count:
         raise RequestError("invalid", f"{len(event.positions)} positions for {count} tokens")
-    if event.positions is not None and any(p < 0 for p in event.positions):
-        raise RequestError("invalid", "positions must be >= 0")
+    if event.positions is not None and any(not 0 <= p < MAX_POSITION for p in event.positions):
+        raise RequestError("invalid", f"positions must be in 0..{MAX_POSITION - 1}")
     _check_slots(event, count, vocab_size)
     if event.logit_mask is not None:
         _check_runs("logit mask", event.logit_mask, (vocab_size,))

@@ -48,8 +48,9 @@ class _Work:
 class SchedulerCore:
     """Fires a batch when the driver is idle and either the queue holds as many requests as the
     last batch did, or the oldest request has waited as long as the last pass took. The first
-    request ever, and any request while nothing was fired yet, goes at once; FIFO order with
-    chunking means no request waits behind more than one pass of others."""
+    request ever, and any request while nothing was fired yet, goes at once. Batches are taken
+    in FIFO order and a request larger than the token budget left is split, so no request is
+    overtaken; one behind a long prefill waits for the prefill's chunks ahead of it."""
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy

@@ -1,0 +1,229 @@
+"""Every event survives codec.dumps/loads unchanged; malformed messages fail naming the bad path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pie.events import ALL_EVENTS, codec
+from pie.events import batching as batch_ev
+from pie.events import bus as bus_ev
+from pie.events import kv as kv_ev
+from pie.events.forward import ForwardRequest, PageCopy
+from pie.events.sampling import (
+    PROBES,
+    SAMPLERS,
+    Argmax,
+    Distribution,
+    DistributionOutput,
+    Entropy,
+    EntropyOutput,
+    LogitsOutput,
+    LogProbs,
+    LogProbsOutput,
+    MinP,
+    Multinomial,
+    RawLogits,
+    SamplingSlot,
+    SlotOp,
+    TokenOutput,
+    TopK,
+    TopKTopP,
+    TopP,
+)
+
+OPS: tuple[SlotOp, ...] = (
+    Argmax(),
+    Multinomial(temperature=0.7, seed=11),
+    TopK(temperature=1.5, k=7, seed=3),
+    TopP(temperature=0.9, p=0.5),
+    MinP(temperature=2.0, p=0.25, seed=99),
+    TopKTopP(temperature=0.3, k=4, p=0.75, seed=0),
+    Distribution(k=3, temperature=0.5),
+    RawLogits(),
+    LogProbs(tokens=(1, 5, 9)),
+    Entropy(),
+)
+SLOTS = tuple(SamplingSlot(index=i, op=op) for i, op in enumerate(OPS))
+OUTPUTS = (
+    TokenOutput(token=42),
+    DistributionOutput(tokens=(3, 1), probs=(0.75, 0.25)),
+    LogitsOutput(values=(0.5, -1.25, 3.0)),
+    LogProbsOutput(values=(-0.1, -2.5)),
+    EntropyOutput(value=1.375),
+)
+REQUEST = ForwardRequest(
+    corr=7, requester="client:3", context=4, tokens=tuple(range(10)), positions=tuple(range(5, 15)),
+    kv_start=5, pages=(8, 2, 6), masked_pages=(1,),
+    attention_masks=tuple((0, 6 + i) for i in range(10)), logit_mask=(10, 5, 985), slots=SLOTS,
+    copies=(PageCopy(src=3, dst=2),), final=False, slot_positions=tuple(range(10, 20)),
+)
+
+SAMPLES = (
+    kv_ev.CreateContext(corr=1, requester="a"),
+    kv_ev.ForkContext(corr=2, requester="a", context=3),
+    kv_ev.DestroyContext(corr=3, requester="a", context=3),
+    kv_ev.SaveContext(corr=4, requester="a", context=3, name="greeting", user="ann"),
+    kv_ev.OpenContext(corr=5, requester="b", name="greeting", user="ann", take=True),
+    kv_ev.DeleteSnapshot(corr=6, requester="b", name="greeting", user="ann"),
+    kv_ev.TruncateContext(corr=7, requester="a", context=3, count=5),
+    kv_ev.MaskPages(corr=8, requester="a", context=3, pages=(0, 2), masked=False),
+    kv_ev.DescribeContext(corr=9, requester="a", context=3),
+    kv_ev.SubmitForward(
+        corr=10, requester="a", context=3, tokens=(4, 5), positions=(9, 10),
+        attention_masks=((0, 1), (2,)), logit_mask=(500, 500), slots=SLOTS[:2],
+    ),
+    kv_ev.ReleaseRequester(corr=11, requester="a"),
+    kv_ev.PassApplied(corr=12, context=3, ok=False),
+    kv_ev.ContextCreated(corr=13, context=3),
+    kv_ev.ContextInfo(
+        corr=14, context=3, tokens=(1, 2), positions=(0, 1), pages=1, masked_pages=(0,),
+    ),
+    kv_ev.Done(corr=15),
+    kv_ev.RequestFailed(corr=16, kind="out_of_pages", message="need 3 pages"),
+    batch_ev.ScheduleForward(request=REQUEST),
+    batch_ev.ExecuteBatch(batch=17, requests=(REQUEST, REQUEST)),
+    batch_ev.PassFinished(batch=18, seconds=0.125, requests=2, tokens=20, ok=False),
+    batch_ev.ForwardCompleted(corr=19, context=3, outputs=OUTPUTS),
+    batch_ev.EngineStarted(
+        model="synthetic", vocab_size=1000, page_size=4, num_pages=64, max_batch_tokens=32,
+        max_batch_requests=8,
+    ),
+    bus_ev.Push(corr=20, requester="a", queue="q", message="hi"),
+    bus_ev.Pull(corr=21, requester="b", queue="q"),
+    bus_ev.Publish(corr=22, requester="a", topic="news", message="extra"),
+    bus_ev.Subscribe(corr=23, requester="b", topic="news"),
+    bus_ev.Unsubscribe(corr=24, requester="b", topic="news"),
+    bus_ev.LeaveBus(corr=25, requester="b"),
+    bus_ev.Pulled(corr=26, queue="q", message="hi"),
+    bus_ev.TopicMessage(corr=27, topic="news", sender="a", message="extra"),
+    PageCopy(src=1, dst=2),
+    REQUEST,
+    *OPS,
+    *SLOTS,
+    *OUTPUTS,
+)
+
+
+def test_the_samples_cover_every_event_class() -> None:
+    assert {type(s) for s in SAMPLES} == set(ALL_EVENTS)
+    assert {type(op) for op in OPS} == set(SAMPLERS + PROBES)
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_event_round_trips(event: object) -> None:
+    text = codec.dumps(event)
+    assert json.loads(text)["type"] == type(event).__name__
+    assert codec.loads(text) == event
+
+
+ops = st.one_of(
+    st.builds(Argmax),
+    st.builds(Multinomial, temperature=st.floats(0.01, 10), seed=st.none() | st.integers(0, 2**32)),
+    st.builds(TopK, k=st.integers(1, 100), seed=st.none() | st.integers(0, 2**32)),
+    st.builds(TopP, p=st.floats(0.01, 1.0)),
+    st.builds(MinP, p=st.floats(0.01, 1.0), temperature=st.floats(0.01, 10)),
+    st.builds(TopKTopP, k=st.integers(1, 100), p=st.floats(0.01, 1.0)),
+    st.builds(Distribution, k=st.integers(1, 100)),
+    st.builds(RawLogits),
+    st.builds(LogProbs, tokens=st.tuples(st.integers(0, 999))),
+    st.builds(Entropy),
+)
+token_lists = st.lists(st.integers(0, 10**6), min_size=1, max_size=8).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=token_lists,
+    slots=st.lists(st.builds(SamplingSlot, index=st.integers(0, 7), op=ops), max_size=4).map(tuple),
+    requester=st.text(max_size=12),
+    final=st.booleans(),
+)
+def test_generated_forward_requests_round_trip(
+    tokens: tuple[int, ...], slots: tuple[SamplingSlot, ...], requester: str, final: bool
+) -> None:
+    request = ForwardRequest(
+        corr=1, requester=requester, context=2, tokens=tokens, positions=tokens, kv_start=0,
+        pages=(0,), slots=slots, final=final,
+    )
+    event = batch_ev.ScheduleForward(request=request)
+    assert codec.loads(codec.dumps(event)) == event
+
+
+def _error(data: object) -> str:
+    with pytest.raises(codec.DecodeError) as caught:
+        codec.decode(data)
+    return str(caught.value)
+
+
+def _submit(**fields: object) -> dict[str, object]:
+    base = {"type": "SubmitForward", "corr": 1, "requester": "a", "context": 1, "tokens": [1]}
+    return {**base, **fields}
+
+
+def test_extra_keys_are_refused_with_their_path() -> None:
+    assert "extra fields found (bogus) @ $" in _error({"type": "Done", "corr": 1, "bogus": 2})
+    message = _error(_submit(slots=[{"index": 0, "op": {"type": "TopK", "kk": 3}}]))
+    assert "extra fields found (kk) @ $.slots[0].op" in message
+
+
+def test_a_missing_field_is_named() -> None:
+    assert "required field missing @ $.corr" in _error({"type": "Done"})
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"type": "Done", "corr": "5"}, "$.corr"),
+        ({"type": "Done", "corr": 5.5}, "$.corr"),
+        ({"type": "Done", "corr": True}, "$.corr"),
+        ({"type": "CreateContext", "corr": 1, "requester": 7}, "$.requester"),
+        ({"type": "PassApplied", "corr": 1, "context": 1, "ok": "yes"}, "$.ok"),
+        (_submit(tokens="123"), "$.tokens"),
+        (_submit(tokens={"1": 1}), "$.tokens"),
+        (_submit(tokens=[1, "x"]), "$.tokens[1]"),
+        (_submit(positions=[None]), "$.positions"),
+        (
+            _submit(slots=[{"index": 0, "op": {"type": "TopK", "temperature": "hot"}}]),
+            "$.slots[0].op.temperature",
+        ),
+        (
+            {"type": "ForwardCompleted", "corr": 1, "context": 1, "outputs": [{"token": 1.5}]},
+            "$.outputs[0]",
+        ),
+        (
+            {"type": "ForwardCompleted", "corr": 1, "context": 1,
+             "outputs": [{"type": "TokenOutput", "token": 1.5}]},
+            "$.outputs[0].token",
+        ),
+        ({"type": "ScheduleForward", "request": {"corr": 1}}, "$.request.pages"),
+    ],
+)
+def test_wrong_field_types_are_refused_with_their_path(data: dict[str, object], path: str) -> None:
+    assert f"@ {path}" in _error(data)
+
+
+def test_an_unknown_event_type_is_refused() -> None:
+    assert "unknown event type 'Nope'" in _error({"type": "Nope", "corr": 1})
+    assert "unknown event type None" in _error({"corr": 1})
+    assert "expected an object" in _error([1, 2])
+
+
+def test_an_unknown_sampler_type_is_named_at_its_path() -> None:
+    message = _error(_submit(slots=[{"index": 0, "op": {"type": "Beam"}}]))
+    assert "'Beam'" in message and "@ $.slots[0].op" in message
+    message = _error(_submit(slots=[{"index": 0, "op": {"k": 3}}]))
+    assert "'type'" in message and "@ $.slots[0].op" in message
+
+
+def test_a_validator_failure_says_why() -> None:
+    message = _error(_submit(slots=[{"index": 0, "op": {"type": "TopK", "k": 0}}]))
+    assert "k must be >= 1, got 0" in message and "@ $.slots[0].op" in message
+
+
+def test_text_that_is_not_json_is_refused() -> None:
+    with pytest.raises(codec.DecodeError, match="not JSON"):
+        codec.loads("{nope")

@@ -1,0 +1,478 @@
+"""The kv core driven directly: placing passes in pages, fork and copy-on-write, snapshots,
+truncation, prefix sharing, failures that leave no trace, and a long random churn."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import pytest
+
+from pie.actors.kv import KvCore
+from pie.events import kv as ev
+from pie.events.batching import ScheduleForward
+from pie.events.forward import ForwardRequest, PageCopy
+from pie.events.sampling import Argmax, LogProbs, SamplingSlot
+
+PAGE = 4
+
+
+class Kv:
+    """A KvCore and the bookkeeping a test needs to talk to it as a few requesters."""
+
+    def __init__(self, num_pages: int = 32, vocab_size: int = 100) -> None:
+        self.core = KvCore(num_pages=num_pages, page_size=PAGE, vocab_size=vocab_size)
+        self.pool = self.core.pool
+        self._corr = itertools.count(1)
+
+    def send(self, make: Any, requester: str = "a", **fields: Any) -> list[tuple[str, Any]]:
+        return self.core.handle(make(corr=next(self._corr), requester=requester, **fields))
+
+    def ask(self, make: Any, requester: str = "a", **fields: Any) -> Any:
+        [(dst, reply)] = self.send(make, requester, **fields)
+        assert dst == requester
+        return reply
+
+    def ok(self, make: Any, requester: str = "a", **fields: Any) -> Any:
+        reply = self.ask(make, requester, **fields)
+        assert not isinstance(reply, ev.RequestFailed), reply
+        return reply
+
+    def refused(self, make: Any, requester: str = "a", **fields: Any) -> ev.RequestFailed:
+        reply = self.ask(make, requester, **fields)
+        assert isinstance(reply, ev.RequestFailed), reply
+        return reply
+
+    def create(self, requester: str = "a") -> int:
+        return int(self.ok(ev.CreateContext, requester).context)
+
+    def fork(self, context: int, requester: str = "a") -> int:
+        return int(self.ok(ev.ForkContext, requester, context=context).context)
+
+    def submit(
+        self, context: int, tokens: Any, requester: str = "a", **fields: Any
+    ) -> ForwardRequest:
+        fields.update(context=context, tokens=tuple(tokens))
+        [(dst, placed)] = self.send(ev.SubmitForward, requester, **fields)
+        assert dst == "scheduler" and isinstance(placed, ScheduleForward), placed
+        return placed.request
+
+    def apply(self, request: ForwardRequest, ok: bool = True) -> None:
+        applied = ev.PassApplied(corr=request.corr, context=request.context, ok=ok)
+        assert self.core.handle(applied) == []
+
+    def write(self, context: int, tokens: Any, requester: str = "a") -> ForwardRequest:
+        request = self.submit(context, tokens, requester)
+        self.apply(request)
+        return request
+
+    def describe(self, context: int, requester: str = "a") -> ev.ContextInfo:
+        info: ev.ContextInfo = self.ok(ev.DescribeContext, requester, context=context)
+        return info
+
+    def pages(self, context: int) -> list[int]:
+        return list(self.core.contexts[context].pages)
+
+
+def test_submit_places_tokens_in_pages_and_continues_positions() -> None:
+    kv = Kv()
+    context = kv.create()
+    first = kv.write(context, [1, 2, 3, 4, 5, 6])
+    assert (first.kv_start, first.positions, len(first.pages)) == (0, (0, 1, 2, 3, 4, 5), 2)
+    second = kv.submit(context, [7, 8, 9])
+    assert second.kv_start == 6 and second.positions == (6, 7, 8)
+    assert second.pages[:2] == first.pages and len(second.pages) == 3
+    assert second.copies == ()
+    assert kv.pool.free == 32 - 3
+
+
+def test_a_context_runs_one_pass_at_a_time() -> None:
+    kv = Kv()
+    context = kv.create()
+    request = kv.submit(context, [1, 2])
+    assert kv.refused(ev.SubmitForward, context=context, tokens=(3,)).kind == "busy"
+    assert kv.refused(ev.ForkContext, context=context).kind == "busy"
+    assert kv.refused(ev.MaskPages, context=context, pages=(0,)).kind == "busy"
+    kv.apply(request)
+    kv.submit(context, [3])
+
+
+def test_explicit_positions_are_kept_and_continued() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.apply(kv.submit(context, [1, 2], positions=(10, 20)))
+    assert kv.submit(context, [3]).positions == (21,)
+
+
+def test_fork_shares_every_page_and_copies_none() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5, 6])
+    free = kv.pool.free
+    child = kv.fork(parent)
+    assert kv.pool.free == free
+    assert kv.pages(child) == kv.pages(parent)
+    assert all(kv.pool.owners(p) == 2 for p in kv.pages(parent))
+    assert kv.describe(child).tokens == (1, 2, 3, 4, 5, 6)
+
+
+def test_writing_to_a_forks_partial_tail_copies_it_first() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5, 6])
+    parent_pages = kv.pages(parent)
+    child = kv.fork(parent)
+    request = kv.submit(child, [7])
+    fresh = request.pages[1]
+    assert request.copies == (PageCopy(src=parent_pages[1], dst=fresh),)
+    assert fresh not in parent_pages and request.pages[0] == parent_pages[0]
+    kv.apply(request)
+    assert kv.pages(parent) == parent_pages
+    assert kv.describe(parent).tokens == (1, 2, 3, 4, 5, 6)
+    assert kv.pool.owners(parent_pages[1]) == 1
+    assert kv.submit(parent, [8]).copies == ()
+
+
+def test_sibling_forks_are_independent() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3])
+    left, right = kv.fork(parent), kv.fork(parent)
+    kv.write(left, [10, 11])
+    kv.write(right, [20])
+    assert kv.describe(left).tokens == (1, 2, 3, 10, 11)
+    assert kv.describe(right).tokens == (1, 2, 3, 20)
+    assert kv.describe(parent).tokens == (1, 2, 3)
+    assert len({kv.pages(c)[0] for c in (parent, left, right)}) == 3
+
+
+def test_a_snapshot_outlives_its_context_and_opens_as_a_fork() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    kv.ok(ev.SaveContext, context=context, name="greeting")
+    kv.ok(ev.DestroyContext, context=context)
+    opened = int(kv.ok(ev.OpenContext, "b", name="greeting").context)
+    assert kv.describe(opened, "b").tokens == (1, 2, 3, 4, 5)
+    assert all(kv.pool.owners(p) == 2 for p in kv.pages(opened))
+    kv.write(opened, [6], "b")
+    again = int(kv.ok(ev.OpenContext, "c", name="greeting").context)
+    assert kv.describe(again, "c").tokens == (1, 2, 3, 4, 5)
+
+
+def test_take_consumes_the_snapshot_and_delete_frees_it() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    kv.ok(ev.SaveContext, context=context, name="x")
+    kv.ok(ev.SaveContext, context=context, name="y")
+    taken = int(kv.ok(ev.OpenContext, name="x", take=True).context)
+    assert kv.describe(taken).tokens == (1, 2, 3, 4, 5)
+    assert kv.refused(ev.OpenContext, name="x").kind == "no_such_snapshot"
+    kv.ok(ev.DeleteSnapshot, name="y")
+    assert kv.refused(ev.DeleteSnapshot, name="y").kind == "no_such_snapshot"
+    kv.ok(ev.DestroyContext, context=context)
+    kv.ok(ev.DestroyContext, context=taken)
+    assert kv.pool.free == 32
+
+
+def test_snapshot_names_are_unique_per_user() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1])
+    kv.ok(ev.SaveContext, context=context, name="n", user="ann")
+    again = kv.refused(ev.SaveContext, context=context, name="n", user="ann")
+    assert again.kind == "snapshot_exists"
+    kv.ok(ev.SaveContext, context=context, name="n", user="bob")
+    assert kv.refused(ev.OpenContext, name="n", user="cat").kind == "no_such_snapshot"
+    kv.ok(ev.DeleteSnapshot, name="n", user="ann")
+    assert kv.core.statistics().snapshots == 1
+
+
+def test_releasing_a_requester_destroys_its_contexts_but_not_its_snapshots() -> None:
+    kv = Kv()
+    mine, theirs = kv.create("a"), kv.create("b")
+    kv.write(mine, [1, 2])
+    kv.write(theirs, [3], "b")
+    kv.ok(ev.SaveContext, context=mine, name="keep")
+    kv.ok(ev.ReleaseRequester, "a")
+    assert set(kv.core.contexts) == {theirs}
+    assert kv.core.statistics().snapshots == 1
+
+
+def test_truncate_within_a_page_keeps_the_page() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5, 6])
+    kv.ok(ev.TruncateContext, context=context, count=1)
+    assert kv.describe(context).tokens == (1, 2, 3, 4, 5)
+    assert kv.submit(context, [9]).positions == (5,)
+
+
+def test_truncate_across_a_page_boundary_returns_pages() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, list(range(1, 11)))
+    kv.ok(ev.TruncateContext, context=context, count=7)
+    assert kv.describe(context).pages == 1 and kv.pool.free == 31
+    kv.ok(ev.TruncateContext, context=context, count=3)
+    assert kv.describe(context).tokens == () and kv.pool.free == 32
+
+
+def test_truncate_refuses_more_tokens_than_the_context_has() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2])
+    failed = kv.refused(ev.TruncateContext, context=context, count=3)
+    assert failed.kind == "invalid" and "3 of 2" in failed.message
+
+
+def test_writing_after_truncating_into_a_shared_committed_page_copies_it() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5, 6, 7, 8])
+    child = kv.fork(parent)
+    shared = kv.pages(parent)[1]
+    kv.ok(ev.TruncateContext, context=child, count=2)
+    request = kv.submit(child, [60, 70])
+    assert request.copies == (PageCopy(src=shared, dst=request.pages[1]),)
+    kv.apply(request)
+    assert kv.describe(parent).tokens == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert kv.describe(child).tokens == (1, 2, 3, 4, 5, 6, 60, 70)
+
+
+def test_writing_after_truncating_a_committed_page_of_ones_own_copies_it() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4])
+    committed = kv.pages(context)[0]
+    kv.ok(ev.TruncateContext, context=context, count=1)
+    request = kv.submit(context, [9])
+    assert request.copies == (PageCopy(src=committed, dst=request.pages[0]),)
+    kv.apply(request)
+    assert kv.pool.free == 31
+
+
+def test_masked_pages_reach_the_placed_request() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, list(range(1, 10)))
+    kv.ok(ev.MaskPages, context=context, pages=(0, 2))
+    assert kv.submit(context, [1]).masked_pages == (0, 2)
+
+
+def test_unmasking_shows_pages_again_and_bad_indices_are_named() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, list(range(1, 10)))
+    kv.ok(ev.MaskPages, context=context, pages=(0, 1))
+    kv.ok(ev.MaskPages, context=context, pages=(0,), masked=False)
+    assert kv.describe(context).masked_pages == (1,)
+    failed = kv.refused(ev.MaskPages, context=context, pages=(1, 3, -1))
+    assert failed.kind == "invalid" and "[3, -1]" in failed.message
+
+
+def test_contexts_that_write_the_same_full_pages_end_up_sharing_them() -> None:
+    kv = Kv()
+    first, second = kv.create(), kv.create()
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    kv.write(first, prompt)
+    request = kv.write(second, prompt)
+    assert request.pages[:2] != tuple(kv.pages(first)[:2])
+    assert kv.pages(second)[:2] == kv.pages(first)[:2]
+    assert kv.pages(second)[2] != kv.pages(first)[2]
+    assert kv.core.statistics().shared_page_hits == 2
+    assert kv.pool.free == 32 - 4
+
+
+def test_a_different_position_is_a_different_page() -> None:
+    kv = Kv()
+    first, second = kv.create(), kv.create()
+    kv.write(first, [1, 2, 3, 4])
+    kv.apply(kv.submit(second, [1, 2, 3, 4], positions=(1, 2, 3, 4)))
+    assert kv.pages(first) != kv.pages(second)
+    assert kv.core.statistics().shared_page_hits == 0
+
+
+def test_running_out_of_pages_fails_the_request_and_changes_nothing() -> None:
+    kv = Kv(num_pages=3)
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    fork = kv.fork(context)
+    before = kv.core.state()
+    failed = kv.refused(ev.SubmitForward, context=fork, tokens=tuple(range(1, 9)))
+    assert failed.kind == "out_of_pages"
+    assert kv.core.state() == before
+    kv.write(fork, [6, 7, 8])
+
+
+def test_a_failed_pass_rolls_back_exactly() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5, 6])
+    before = kv.core.state()
+    kv.apply(kv.submit(context, list(range(7, 20))), ok=False)
+    assert kv.core.state() == before
+
+
+def test_a_failed_pass_on_a_fork_restores_the_shared_tail() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5, 6])
+    child = kv.fork(parent)
+    before = kv.core.state()
+    request = kv.submit(child, list(range(7, 16)))
+    assert request.copies
+    kv.apply(request, ok=False)
+    assert kv.core.state() == before
+    assert kv.pages(child) == kv.pages(parent)
+
+
+def test_a_failed_pass_with_attention_masks_rolls_back_exactly() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2])
+    before = kv.core.state()
+    request = kv.submit(context, [3, 4], attention_masks=((0, 3), (4,)))
+    kv.apply(request, ok=False)
+    assert kv.core.state() == before
+
+
+def test_destroying_a_context_in_flight_frees_its_pages_after_the_pass() -> None:
+    kv = Kv()
+    context = kv.create()
+    request = kv.submit(context, list(range(1, 10)))
+    kv.ok(ev.DestroyContext, context=context)
+    assert kv.pool.free == 32 - 3
+    kv.apply(request)
+    assert kv.pool.free == 32
+    assert kv.core.statistics().passes_in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"tokens": ()}, "at least one input token"),
+        ({"tokens": (1, 100, -1)}, "[100, -1]"),
+        ({"tokens": (1, 2), "positions": (0,)}, "1 positions for 2 tokens"),
+        ({"tokens": (1,), "positions": (-1,)}, "positions must be in 0..2147483647"),
+        ({"tokens": (1,), "positions": (2**63,)}, "positions must be in 0..2147483647"),
+        ({"tokens": (1, 2), "slots": (SamplingSlot(index=2, op=Argmax()),)}, "index 2 outside"),
+        ({"tokens": (1,), "slots": (SamplingSlot(index=0, op=LogProbs(tokens=(100,))),)}, "[100]"),
+        ({"tokens": (1,), "logit_mask": (50, 49)}, "logit mask covers 99 entries, expected 100"),
+        ({"tokens": (1,), "logit_mask": (101, -1)}, "logit mask has a negative run"),
+        ({"tokens": (1, 2), "attention_masks": ((4,),)}, "1 attention masks for 2 tokens"),
+        ({"tokens": (1, 2), "attention_masks": ((3,), (2, 3))}, "mask of token 1 covers 5"),
+    ],
+)
+def test_a_malformed_pass_is_refused_as_invalid_with_the_reason(
+    fields: dict[str, Any], words: str
+) -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [7, 8])
+    before = kv.core.state()
+    failed = kv.refused(ev.SubmitForward, context=context, **fields)
+    assert failed.kind == "invalid" and words in failed.message
+    assert kv.core.state() == before
+
+
+def test_only_the_owner_may_use_a_context() -> None:
+    kv = Kv()
+    context = kv.create("a")
+    commands: list[tuple[Any, dict[str, Any]]] = [
+        (ev.SubmitForward, {"tokens": (1,)}), (ev.ForkContext, {}), (ev.DestroyContext, {}),
+        (ev.TruncateContext, {"count": 0}), (ev.DescribeContext, {}), (ev.MaskPages, {"pages": ()}),
+        (ev.SaveContext, {"name": "n"}),
+    ]
+    for make, fields in commands:
+        assert kv.refused(make, "b", context=context, **fields).kind == "not_owner"
+
+
+def test_a_missing_context_is_named() -> None:
+    kv = Kv()
+    failed = kv.refused(ev.DescribeContext, context=99)
+    assert failed.kind == "no_such_context" and "99" in failed.message
+
+
+def test_a_late_or_repeated_pass_applied_is_ignored() -> None:
+    kv = Kv()
+    context = kv.create()
+    request = kv.write(context, [1, 2])
+    before = kv.core.state()
+    kv.apply(request)
+    kv.apply(request, ok=False)
+    assert kv.core.state() == before
+
+
+def _churn_step(kv: Kv, rng: random.Random, saved: set[str], flights: list[ForwardRequest]) -> None:
+    contexts = list(kv.core.contexts)
+    action = rng.choice(
+        ["create", "fork", "save", "open", "delete", "truncate", "mask", "submit", "apply",
+         "destroy"]
+    )
+    context = rng.choice(contexts) if contexts else None
+    if action == "create" or context is None:
+        kv.create()
+    elif action == "fork":
+        kv.send(ev.ForkContext, context=context)
+    elif action == "save":
+        name = f"s{rng.randrange(6)}"
+        kv.send(ev.SaveContext, context=context, name=name)
+        saved.add(name)
+    elif action == "open":
+        kv.send(ev.OpenContext, name=f"s{rng.randrange(6)}", take=rng.random() < 0.3)
+    elif action == "delete":
+        kv.send(ev.DeleteSnapshot, name=f"s{rng.randrange(6)}")
+    elif action == "truncate":
+        length = len(kv.core.contexts[context].tokens)
+        kv.send(ev.TruncateContext, context=context, count=rng.randrange(length + 1))
+    elif action == "mask":
+        count = len(kv.core.contexts[context].pages)
+        pages = (rng.randrange(count),) if count else ()
+        kv.send(ev.MaskPages, context=context, pages=pages, masked=rng.random() < 0.7)
+    elif action == "submit":
+        tokens = tuple(rng.randrange(3) for _ in range(rng.randint(1, 9)))
+        [(_, out)] = kv.send(ev.SubmitForward, context=context, tokens=tokens)
+        if isinstance(out, ScheduleForward):
+            flights.append(out.request)
+    elif action == "apply" and flights:
+        kv.apply(flights.pop(rng.randrange(len(flights))), ok=rng.random() < 0.8)
+    elif action == "destroy":
+        kv.send(ev.DestroyContext, context=context)
+
+
+def _assert_consistent(kv: Kv) -> None:
+    """Every owner count is the number of chains holding the page; every pin is a pass's."""
+    owners = [0] * kv.pool.num_pages
+    pins = [0] * kv.pool.num_pages
+    for chain in [*kv.core.contexts.values(), *kv.core.snapshots.values()]:
+        assert len(chain.pages) == -(-len(chain.tokens) // PAGE)
+        for page in chain.pages:
+            owners[page] += 1
+    for flight in kv.core.in_flight.values():
+        for page in flight.pinned:
+            pins[page] += 1
+    assert kv.pool.state()[:2] == (tuple(owners), tuple(pins))
+    assert kv.pool.free == sum(1 for o, p in zip(owners, pins, strict=True) if o == p == 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_long_random_churn_returns_every_page(seed: int) -> None:
+    rng = random.Random(seed)
+    kv = Kv(num_pages=24, vocab_size=3)
+    saved: set[str] = set()
+    flights: list[ForwardRequest] = []
+    for _ in range(400):
+        _churn_step(kv, rng, saved, flights)
+        _assert_consistent(kv)
+    for request in flights:
+        kv.apply(request)
+    for context in list(kv.core.contexts):
+        kv.ok(ev.DestroyContext, context=context)
+    for name in saved:
+        kv.send(ev.DeleteSnapshot, name=name)
+    assert kv.core.statistics().snapshots == 0
+    assert kv.pool.free == kv.pool.num_pages
+    assert kv.pool.state() == ((0,) * 24, (0,) * 24, ())

@@ -1,0 +1,207 @@
+"""The scheduler core with time passed in: batch limits, chunked prefill, FIFO order, the
+adaptive firing rule and its statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pie.actors.scheduler import BatchPolicy, SchedulerCore
+from pie.events.batching import ExecuteBatch
+from pie.events.forward import ForwardRequest, PageCopy
+from pie.events.sampling import Argmax, Entropy, SamplingSlot
+
+
+def request(
+    corr: int, length: int = 1, *, context: int | None = None, **fields: Any
+) -> ForwardRequest:
+    tokens = tuple(range(100 * corr, 100 * corr + length))
+    return ForwardRequest(
+        corr=corr, requester="a", context=corr if context is None else context, tokens=tokens,
+        positions=tuple(range(length)), kv_start=0, pages=(corr,), **fields,
+    )
+
+
+def fire(core: SchedulerCore, now: float = 0.0, seconds: float = 0.0) -> ExecuteBatch:
+    """The next batch, which must fire at `now`; the pass is then reported finished."""
+    batch = core.next_batch(now)
+    assert batch is not None
+    core.pass_finished(seconds)
+    return batch
+
+
+def drain(core: SchedulerCore) -> list[ExecuteBatch]:
+    batches = []
+    while core.statistics().pending:
+        batches.append(fire(core, now=1e9))
+    return batches
+
+
+def test_the_first_request_fires_at_once() -> None:
+    core = SchedulerCore(BatchPolicy())
+    core.submit(request(1), now=5.0)
+    batch = core.next_batch(5.0)
+    assert batch is not None and [r.corr for r in batch.requests] == [1]
+
+
+def test_an_empty_queue_fires_nothing() -> None:
+    core = SchedulerCore(BatchPolicy())
+    assert core.next_batch(0.0) is None and core.deadline() is None
+
+
+def test_batches_hold_at_most_max_batch_requests() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_requests=3))
+    for corr in range(1, 8):
+        core.submit(request(corr), now=0.0)
+    sizes = [len(b.requests) for b in drain(core)]
+    assert sizes == [3, 3, 1]
+
+
+def test_batches_hold_at_most_max_batch_tokens_and_keep_every_token_in_order() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    for corr in range(1, 6):
+        core.submit(request(corr, 4), now=0.0)
+    batches = drain(core)
+    assert all(sum(len(r.tokens) for r in b.requests) <= 10 for b in batches)
+    sent = [t for b in batches for r in b.requests for t in r.tokens]
+    assert sent == [t for corr in range(1, 6) for t in request(corr, 4).tokens]
+
+
+def test_a_batch_holds_one_request_per_context() -> None:
+    core = SchedulerCore(BatchPolicy())
+    core.submit(request(1, context=7), now=0.0)
+    core.submit(request(2, context=7), now=0.0)
+    core.submit(request(3, context=8), now=0.0)
+    batches = drain(core)
+    assert [[r.corr for r in b.requests] for b in batches] == [[1, 3], [2]]
+
+
+def test_a_long_prefill_is_split_into_chunks_in_order() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    slots = (
+        SamplingSlot(index=3, op=Argmax()),
+        SamplingSlot(index=12, op=Entropy()),
+        SamplingSlot(index=24, op=Argmax()),
+    )
+    masks = tuple((i + 1,) for i in range(25))
+    long = request(1, 25, slots=slots, copies=(PageCopy(src=1, dst=2),), attention_masks=masks)
+    core.submit(long, now=0.0)
+    chunks = [b.requests[0] for b in drain(core)]
+    pieces = [slice(0, 10), slice(10, 20), slice(20, 25)]
+    assert [c.tokens for c in chunks] == [long.tokens[p] for p in pieces]
+    assert [c.positions for c in chunks] == [long.positions[p] for p in pieces]
+    assert [c.kv_start for c in chunks] == [0, 10, 20]
+    assert [c.copies for c in chunks] == [long.copies, (), ()]
+    assert [c.final for c in chunks] == [False, False, True]
+    assert [c.slots for c in chunks] == [
+        (slots[0],), (SamplingSlot(index=2, op=Entropy()),), (SamplingSlot(index=4, op=Argmax()),),
+    ]
+    assert [c.slot_positions for c in chunks] == [(0,), (1,), (2,)]
+    assert chunks[1].attention_masks == masks[10:20]
+    assert core.statistics().chunks == 2
+
+
+def test_a_chunk_without_slots_carries_none() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
+    core.submit(request(1, 8, slots=(SamplingSlot(index=7, op=Argmax()),)), now=0.0)
+    first, last = (b.requests[0] for b in drain(core))
+    assert (first.slots, first.slot_positions) == ((), ())
+    assert last.slots == (SamplingSlot(index=3, op=Argmax()),) and last.slot_positions == (0,)
+
+
+def test_chunks_continue_from_the_requests_kv_start() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
+    core.submit(ForwardRequest(
+        corr=1, requester="a", context=1, tokens=tuple(range(6)), positions=tuple(range(9, 15)),
+        kv_start=9, pages=(0, 1, 2, 3),
+    ), now=0.0)
+    chunks = [b.requests[0] for b in drain(core)]
+    assert [(c.kv_start, c.kv_len) for c in chunks] == [(9, 13), (13, 15)]
+
+
+def test_a_long_prefill_keeps_its_turn_and_those_behind_it_follow_in_order() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    core.submit(request(1, 2), now=0.0)
+    core.submit(request(2, 25), now=0.0)
+    core.submit(request(3, 2), now=0.0)
+    orders = []
+    for step in range(4):
+        batch = fire(core, now=float(step))
+        orders.append([(r.corr, len(r.tokens)) for r in batch.requests])
+        core.submit(request(10 + step, 2), now=float(step))
+    assert orders[:3] == [[(1, 2), (2, 8)], [(2, 10)], [(2, 7), (3, 2), (10, 1)]]
+    assert orders[3][:2] == [(10, 1), (11, 2)]
+
+
+def test_after_a_batch_it_waits_for_as_many_requests_or_for_the_last_pass_time() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for corr in (1, 2, 3):
+        core.submit(request(corr), now=0.0)
+    fire(core, now=0.0, seconds=0.5)
+    core.submit(request(4), now=10.0)
+    assert core.next_batch(10.0) is None
+    assert core.deadline() == 10.5
+    assert core.next_batch(10.49) is None
+    batch = core.next_batch(10.5)
+    assert batch is not None and len(batch.requests) == 1
+
+
+def test_it_fires_at_once_when_as_many_as_the_last_batch_are_queued() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for corr in (1, 2):
+        core.submit(request(corr), now=0.0)
+    fire(core, now=0.0, seconds=0.5)
+    core.submit(request(3), now=10.0)
+    assert core.next_batch(10.0) is None
+    core.submit(request(4), now=10.1)
+    batch = core.next_batch(10.1)
+    assert batch is not None and [r.corr for r in batch.requests] == [3, 4]
+
+
+def test_it_fires_at_once_when_the_queue_fills_the_token_budget() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=8))
+    for corr in (1, 2, 3):
+        core.submit(request(corr), now=0.0)
+    fire(core, now=0.0, seconds=0.5)
+    core.submit(request(4, 8), now=10.0)
+    assert core.next_batch(10.0) is not None
+
+
+def test_nothing_fires_while_a_pass_is_in_flight() -> None:
+    core = SchedulerCore(BatchPolicy())
+    core.submit(request(1), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.submit(request(2), now=0.0)
+    assert core.next_batch(100.0) is None and core.deadline() is None
+    assert core.statistics().in_flight
+    core.pass_finished(0.0)
+    assert core.next_batch(100.0) is not None
+
+
+def test_batch_ids_count_up() -> None:
+    core = SchedulerCore(BatchPolicy())
+    ids = []
+    for corr in (1, 2, 3):
+        core.submit(request(corr), now=0.0)
+        ids.append(fire(core).batch)
+    assert ids == [1, 2, 3]
+
+
+def test_statistics_describe_the_batches() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_requests=3))
+    for corr in range(1, 5):
+        core.submit(request(corr, 2), now=0.0)
+    fire(core, seconds=0.25)
+    fire(core, now=1.0, seconds=0.125)
+    stats = core.statistics()
+    assert stats.batch_size_histogram == ((1, 1), (3, 1))
+    assert (stats.batches, stats.requests, stats.tokens) == (2, 4, 8)
+    assert stats.max_batch_size == 3 and stats.last_batch_size == 1
+    assert stats.mean_batch_size == pytest.approx(2.0)
+    assert stats.last_pass_seconds == 0.125 and stats.pending == 0 and not stats.in_flight
+
+
+def test_limits_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="batch limits"):
+        BatchPolicy(max_batch_tokens=0)
