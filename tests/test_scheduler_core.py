@@ -134,29 +134,59 @@ def test_a_long_prefill_keeps_its_turn_and_those_behind_it_follow_in_order() -> 
     assert orders[3][:2] == [(10, 1), (11, 2)]
 
 
-def test_after_a_batch_it_waits_for_as_many_requests_or_for_the_last_pass_time() -> None:
-    core = SchedulerCore(BatchPolicy())
-    for corr in (1, 2, 3):
-        core.submit(request(corr), now=0.0)
-    fire(core, now=0.0, seconds=0.5)
-    core.submit(request(4), now=10.0)
-    assert core.next_batch(10.0) is None
-    assert core.deadline() == 10.5
-    assert core.next_batch(10.49) is None
-    batch = core.next_batch(10.5)
-    assert batch is not None and len(batch.requests) == 1
-
-
-def test_it_fires_at_once_when_as_many_as_the_last_batch_are_queued() -> None:
+def test_after_a_pass_it_waits_for_every_context_of_that_pass() -> None:
     core = SchedulerCore(BatchPolicy())
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
-    fire(core, now=0.0, seconds=0.5)
-    core.submit(request(3), now=10.0)
-    assert core.next_batch(10.0) is None
-    core.submit(request(4), now=10.1)
-    batch = core.next_batch(10.1)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(3, context=1), now=1.0)
+    assert core.next_batch(1.0) is None
+    assert core.deadline() == 1.5
+    core.submit(request(4, context=2), now=1.1)
+    batch = core.next_batch(1.1)
     assert batch is not None and [r.corr for r in batch.requests] == [3, 4]
+
+
+def test_the_watchdog_fires_when_an_awaited_context_stays_quiet() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for corr in (1, 2):
+        core.submit(request(corr), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(3, context=1), now=1.0)
+    assert core.next_batch(1.49) is None
+    batch = core.next_batch(1.5)
+    assert batch is not None and [r.corr for r in batch.requests] == [3]
+
+
+def test_a_request_goes_at_once_when_no_context_is_awaited() -> None:
+    core = SchedulerCore(BatchPolicy())
+    core.submit(request(1), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(2, context=1), now=1.0)
+    assert core.next_batch(1.0) is not None
+    core.pass_finished(0.5, now=2.0)
+    core.submit(request(3, context=1), now=2.0)
+    core.submit(request(4, context=9), now=2.0)
+    batch = core.next_batch(2.0)
+    assert batch is not None and [r.corr for r in batch.requests] == [3, 4]
+
+
+def test_alternating_half_batches_merge_into_one() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for context in range(7):
+        core.submit(request(100 + context, context=context), now=0.0)
+    assert core.next_batch(0.0) is not None
+    for context in range(7, 16):
+        core.submit(request(200 + context, context=context), now=0.1)
+    core.pass_finished(1.0, now=1.0)
+    assert core.next_batch(1.0) is None
+    for context in range(7):
+        core.submit(request(300 + context, context=context), now=1.01)
+    batch = core.next_batch(1.01)
+    assert batch is not None and len(batch.requests) == 16
 
 
 def test_it_fires_at_once_when_the_queue_fills_the_token_budget() -> None:

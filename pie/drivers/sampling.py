@@ -8,6 +8,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from pie.events.sampling import (
+    PROBES,
     Argmax,
     Distribution,
     DistributionOutput,
@@ -16,7 +17,6 @@ from pie.events.sampling import (
     LogitsOutput,
     LogProbs,
     LogProbsOutput,
-    PROBES,
     MinP,
     Multinomial,
     Probe,

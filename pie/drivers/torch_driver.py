@@ -20,6 +20,8 @@ from pie.events.sampling import PROBES, SAMPLERS, LogProbs, Rle, SlotOutput
 
 @frozen(kw_only=True)
 class DriverStatistics:
+    """Completed passes so far (refused batches do not count) and their wall time."""
+
     passes: int
     tokens: int
     last_pass_seconds: float
@@ -115,7 +117,9 @@ def _check_slots(batch: ForwardBatch, info: DriverInfo) -> None:
 def _check_copies(batch: ForwardBatch, info: DriverInfo) -> None:
     for src, dst in batch.copies:
         if not (0 <= src < info.num_pages and 0 <= dst < info.num_pages):
-            raise DriverError(f"page copy {src} -> {dst} names a page outside [0, {info.num_pages})")
+            raise DriverError(
+                f"page copy {src} -> {dst} names a page outside [0, {info.num_pages})"
+            )
     destinations = [dst for _, dst in batch.copies]
     if len(set(destinations)) != len(destinations):
         raise DriverError("two page copies write the same page")
@@ -133,9 +137,10 @@ def validate_batch(batch: ForwardBatch, info: DriverInfo) -> None:
 class TorchDriver:
     """A Driver over any CausalLM on one torch device.
 
-    The model must already live on `device`; `dtype` is the KV cache's element type. Every
-    pass runs under inference_mode, and a batch is fully validated (and its masks built)
-    before the first KV page is touched.
+    The model must already live on `device`; `dtype` is the KV cache's element type; `seed`
+    seeds the generator of sampler slots that bring no seed of their own. Every pass runs
+    under inference_mode, and a batch is fully validated (and its masks built) before the
+    first KV page is touched.
     """
 
     def __init__(

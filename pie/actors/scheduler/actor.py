@@ -49,7 +49,7 @@ class SchedulerActor(Actor):
             case ScheduleForward(request=request):
                 self.core.submit(request, trio.current_time())
             case PassFinished(seconds=seconds):
-                self.core.pass_finished(seconds)
+                self.core.pass_finished(seconds, trio.current_time())
             case _:
                 raise TypeError(f"scheduler got an unexpected event {type(event).__name__}")
 

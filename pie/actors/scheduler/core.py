@@ -46,11 +46,15 @@ class _Work:
 
 
 class SchedulerCore:
-    """Fires a batch when the driver is idle and either the queue holds as many requests as the
-    last batch did, or the oldest request has waited as long as the last pass took. The first
-    request ever, and any request while nothing was fired yet, goes at once. Batches are taken
-    in FIFO order and a request larger than the token budget left is split, so no request is
-    overtaken; one behind a long prefill waits for the prefill's chunks ahead of it."""
+    """Fires a batch when the driver is idle and every context that took part in the last pass
+    has sent its next request, or the batch is full, or one pass time has gone by since the last
+    pass finished (the watchdog for a context that went quiet). Waiting for the contexts of the
+    last pass, rather than for "as many requests as last time", keeps concurrent decoders in one
+    batch instead of splitting them into two alternating half-batches.
+
+    Batches are taken in FIFO order and a request larger than the token budget left is split,
+    so no request is overtaken; one behind a long prefill waits for the prefill's chunks.
+    """
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
@@ -59,6 +63,9 @@ class SchedulerCore:
         self._in_flight = False
         self._last_size = 0
         self._last_seconds = 0.0
+        self._finished_at = 0.0
+        self._running: set[int] = set()
+        self._awaited: set[int] = set()
         self._batches = 0
         self._requests = 0
         self._tokens = 0
@@ -68,33 +75,40 @@ class SchedulerCore:
 
     def submit(self, request: ForwardRequest, now: float) -> None:
         self._queue.append(_Work(request, now))
+        self._awaited.discard(request.context)
 
-    def pass_finished(self, seconds: float) -> None:
+    def pass_finished(self, seconds: float, now: float = 0.0) -> None:
+        """The pass fired last took `seconds` and ended at `now`; its contexts are now awaited."""
         self._in_flight = False
         self._last_seconds = seconds
+        self._finished_at = now
+        self._awaited = self._running - {w.request.context for w in self._queue}
+        self._running = set()
 
     def deadline(self) -> float | None:
-        """When the waiting rule fires the oldest request, if anything is queued."""
+        """When the watchdog fires whatever is queued, if anything is queued."""
         if self._in_flight or not self._queue:
             return None
-        return self._queue[0].arrived + self._last_seconds
+        return self._finished_at + self._last_seconds
 
     def next_batch(self, now: float) -> ExecuteBatch | None:
         if self._in_flight or not self._queue or not self._should_fire(now):
             return None
         requests = self._take()
         self._record(requests)
+        self._running = {r.context for r in requests}
+        self._awaited = set()
         self._in_flight = True
         batch = ExecuteBatch(batch=self._next_batch, requests=tuple(requests))
         self._next_batch += 1
         return batch
 
     def _should_fire(self, now: float) -> bool:
-        if len(self._queue) >= max(self._last_size, 1):
+        if not self._awaited or len(self._queue) >= self.policy.max_batch_requests:
             return True
         if sum(len(w.request.tokens) - w.offset for w in self._queue) >= self.policy.max_batch_tokens:
             return True
-        return now - self._queue[0].arrived >= self._last_seconds
+        return now >= self._finished_at + self._last_seconds
 
     def _take(self) -> list[ForwardRequest]:
         budget = self.policy.max_batch_tokens
