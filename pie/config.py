@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import cattrs
+from cattrs.v import format_exception
 from attrs import field, frozen
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -80,11 +81,19 @@ class ConfigError(ValueError):
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
+def _describe(exc: BaseException, type_: Any) -> str:
+    # Our validators say what is wrong in their own words; keep them.
+    if type(exc) is ValueError:
+        return str(exc)
+    return format_exception(exc, type_)
+
+
 def config_from_dict(data: dict[str, Any]) -> EngineConfig:
     try:
         return _converter.structure(data, EngineConfig)
     except cattrs.BaseValidationError as exc:
-        raise ConfigError("; ".join(cattrs.transform_error(exc))) from exc
+        messages = cattrs.transform_error(exc, format_exception=_describe)
+        raise ConfigError("; ".join(messages)) from exc
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -314,3 +314,23 @@ def test_reading_a_log_skips_a_torn_last_line(tmp_path: Path) -> None:
     with open(path, "a", encoding="utf-8") as handle:
         handle.write('{"seq":3,"time":1.0,"src":"a","dst"')
     assert [e.event for e in read_log(path)] == [e.event for e in log.records()]
+
+
+def test_reading_a_log_refuses_a_bad_line_in_the_middle(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path=path)
+    log.append("a", "kv", kv.CreateContext(corr=1, requester="a"))
+    log.close()
+    text = path.read_text(encoding="utf-8")
+    path.write_text('{"seq":0,"tim\n' + text, encoding="utf-8")
+    with pytest.raises(ValueError, match="line 1"):
+        list(read_log(path))
+
+
+def test_a_new_log_file_replaces_the_previous_run(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    for corr in (1, 2):
+        log = EventLog(path=path)
+        log.append("a", "kv", kv.CreateContext(corr=corr, requester="a"))
+        log.close()
+    assert [e.corr for e in read_log(path)] == [2]

@@ -62,7 +62,8 @@ class EventLog:
     def __init__(self, *, ring_size: int = 100_000, path: str | Path | None = None) -> None:
         self._ring: collections.deque[Envelope] = collections.deque(maxlen=ring_size or None)
         self._seq = 0
-        self._file: IO[str] | None = open(path, "a", encoding="utf-8") if path else None
+        # One file per engine run: sequence numbers start at 1 and replay reads one history.
+        self._file: IO[str] | None = open(path, "w", encoding="utf-8") if path else None
         self.path = Path(path) if path else None
 
     def append(self, src: str, dst: str, event: Any) -> Envelope:
@@ -97,12 +98,17 @@ class EventLog:
 
 
 def read_log(path: str | Path) -> Iterator[Envelope]:
-    """The envelopes of a JSON-lines log file, in order; a torn last line is skipped."""
+    """The envelopes of a JSON-lines log file, in order.
+
+    A torn last line (the writer stopped mid-line) is skipped; a bad line anywhere else is an
+    error, since everything after it would be silently lost.
+    """
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            try:
-                yield Envelope.from_json(line)
-            except json.JSONDecodeError:
+        lines = [line for line in handle if line.strip()]
+    for number, line in enumerate(lines, start=1):
+        try:
+            yield Envelope.from_json(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines) and not line.endswith("\n"):
                 return
+            raise ValueError(f"{path}: line {number} is not a log record: {exc}") from exc
