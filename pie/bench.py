@@ -37,7 +37,11 @@ async def _engine_figures(engine: Engine, args: argparse.Namespace) -> dict[str,
         one = await generate(req, _prompt(tok, 16), max_tokens=n, sampler=Argmax())
         prefill = min(
             [
-                (await generate(req, _prompt(tok, args.prefill_tokens), max_tokens=1, sampler=Argmax()))
+                (
+                    await generate(
+                        req, _prompt(tok, args.prefill_tokens), max_tokens=1, sampler=Argmax()
+                    )
+                )
                 for _ in range(2)
             ],
             key=lambda g: g.prefill_seconds,
@@ -71,7 +75,9 @@ def _hf_figures(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
     from pie.drivers.loader import resolve_model
 
     dtype = getattr(torch, engine.info.dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(engine.config.model.path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(engine.config.model.path), dtype=dtype
+    )
     model.eval()
     n = args.decode_tokens
     short = torch.tensor([_prompt(engine.tokenizer, 16)])
@@ -79,7 +85,9 @@ def _hf_figures(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
 
     def timed(ids: torch.Tensor, tokens: int) -> float:
         started = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
+        )
         return time.perf_counter() - started
 
     with torch.inference_mode():
@@ -109,8 +117,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     trio.run(main)
     if "hf_decode_tps_batch1" in figures:
-        figures["ratio_decode_batch1"] = figures["decode_tps_batch1"] / figures["hf_decode_tps_batch1"]
-        figures["ratio_decode_16_vs_hf_batch1"] = figures["decode_tps_16"] / figures["hf_decode_tps_batch1"]
+        figures["ratio_decode_batch1"] = (
+            figures["decode_tps_batch1"] / figures["hf_decode_tps_batch1"]
+        )
+        figures["ratio_decode_16_vs_hf_batch1"] = (
+            figures["decode_tps_16"] / figures["hf_decode_tps_batch1"]
+        )
         figures["ratio_prefill"] = figures["prefill_tps"] / figures["hf_prefill_tps"]
     return figures
 
@@ -134,13 +146,30 @@ def run_bench(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=2))
         return 0
     rows = [
-        ("decode tokens/s, batch 1", "decode_tps_batch1", "hf_decode_tps_batch1", "ratio_decode_batch1"),
-        (f"decode tokens/s, {args.concurrency} concurrent", "decode_tps_16", "hf_decode_tps_batch1",
-         "ratio_decode_16_vs_hf_batch1"),
-        (f"prefill tokens/s ({args.prefill_tokens})", "prefill_tps", "hf_prefill_tps", "ratio_prefill"),
+        (
+            "decode tokens/s, batch 1",
+            "decode_tps_batch1",
+            "hf_decode_tps_batch1",
+            "ratio_decode_batch1",
+        ),
+        (
+            f"decode tokens/s, {args.concurrency} concurrent",
+            "decode_tps_16",
+            "hf_decode_tps_batch1",
+            "ratio_decode_16_vs_hf_batch1",
+        ),
+        (
+            f"prefill tokens/s ({args.prefill_tokens})",
+            "prefill_tps",
+            "hf_prefill_tps",
+            "ratio_prefill",
+        ),
     ]
-    print(f"{figures['model']} on {figures['device']} ({figures['dtype']}), {figures['torch_threads']} threads",
-          file=sys.stderr)
+    print(
+        f"{figures['model']} on {figures['device']} ({figures['dtype']}), "
+        f"{figures['torch_threads']} threads",
+        file=sys.stderr,
+    )
     print(f"{'':<34}{'pie':>10}{'transformers':>14}{'ratio':>8}")
     for label, ours, theirs, ratio in rows:
         hf = figures.get(theirs)

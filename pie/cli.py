@@ -55,7 +55,9 @@ def engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from pie.config import load_config, with_overrides
 
     config = load_config(args.config)
-    return with_overrides(config, model={"path": args.model, "dtype": args.dtype, "device": args.device})
+    return with_overrides(
+        config, model={"path": args.model, "dtype": args.dtype, "device": args.device}
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

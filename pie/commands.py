@@ -26,7 +26,10 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt = prompt_ids(tokenizer, args.prompt, raw=args.raw, system=args.system)
             async with engine.requester("cli") as requester:
                 result = await generate(
-                    requester, prompt, max_tokens=args.max_tokens, sampler=sampler,
+                    requester,
+                    prompt,
+                    max_tokens=args.max_tokens,
+                    sampler=sampler,
                     stop_tokens=tokenizer.stop_token_ids,
                 )
             tokens = [t for t in result.tokens if t not in tokenizer.stop_token_ids]
@@ -52,7 +55,10 @@ def run_log(args: argparse.Namespace) -> int:
         if args.corr is not None and env.corr != args.corr:
             continue
         corr = "-" if env.corr is None else str(env.corr)
-        print(f"{env.seq:>7} {env.time:.6f} {env.src:>12} -> {env.dst:<12} {corr:>6}  {_describe(env.event)}")
+        print(
+            f"{env.seq:>7} {env.time:.6f} {env.src:>12} -> {env.dst:<12} {corr:>6}  "
+            f"{_describe(env.event)}"
+        )
         shown += 1
         if args.limit and shown >= args.limit:
             break
@@ -78,12 +84,15 @@ def run_replay(args: argparse.Namespace) -> int:
     if started is None:
         print("pie: the log has no EngineStarted record", file=sys.stderr)
         return 2
-    core = KvCore(num_pages=started.num_pages, page_size=started.page_size, vocab_size=started.vocab_size)
+    core = KvCore(
+        num_pages=started.num_pages, page_size=started.page_size, vocab_size=started.vocab_size
+    )
     result = replay(envelopes, args.actor, core)
     stats = core.statistics()
     print(
         f"replayed {result.inputs} inputs to {args.actor!r}: {result.outputs} outputs, "
-        f"{len(result.mismatches)} mismatches; final pages free {stats.pages_free}/{stats.pages_total}, "
+        f"{len(result.mismatches)} mismatches; "
+        f"final pages free {stats.pages_free}/{stats.pages_total}, "
         f"contexts {stats.contexts}, snapshots {stats.snapshots}"
     )
     for line in result.mismatches[:20]:

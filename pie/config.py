@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 import cattrs
-from cattrs.v import format_exception
 from attrs import field, frozen
+from cattrs.v import format_exception
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -114,7 +114,9 @@ def load_config(path: str | Path | None = None) -> EngineConfig:
 def with_overrides(config: EngineConfig, **sections: dict[str, Any]) -> EngineConfig:
     """A copy with some keys replaced, e.g. with_overrides(c, model={"path": "x.gguf"})."""
     changes = {
-        name: attrs.evolve(getattr(config, name), **{k: v for k, v in values.items() if v is not None})
+        name: attrs.evolve(
+            getattr(config, name), **{k: v for k, v in values.items() if v is not None}
+        )
         for name, values in sections.items()
     }
     return attrs.evolve(config, **changes)

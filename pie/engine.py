@@ -37,7 +37,11 @@ class Engine:
     """A running engine. Use `open_engine`; talk to it through `requester()`."""
 
     def __init__(
-        self, config: EngineConfig, driver: Driver, tokenizer: Any, nursery: trio.Nursery,
+        self,
+        config: EngineConfig,
+        driver: Driver,
+        tokenizer: Any,
+        nursery: trio.Nursery,
     ) -> None:
         self.config = config
         self.driver = driver
@@ -55,11 +59,18 @@ class Engine:
         self._names = itertools.count(1)
         policy = BatchPolicy(
             max_batch_tokens=min(config.scheduler.max_batch_tokens, self.info.max_batch_tokens),
-            max_batch_requests=min(config.scheduler.max_batch_requests, self.info.max_batch_requests),
+            max_batch_requests=min(
+                config.scheduler.max_batch_requests, self.info.max_batch_requests
+            ),
         )
         self.kv = CoreActor(
-            KvCore(num_pages=self.info.num_pages, page_size=self.info.page_size, vocab_size=self.info.vocab_size),
-            "kv", self.router,
+            KvCore(
+                num_pages=self.info.num_pages,
+                page_size=self.info.page_size,
+                vocab_size=self.info.vocab_size,
+            ),
+            "kv",
+            self.router,
         )
         self.scheduler = SchedulerActor(SchedulerCore(policy), self.router)
         self.inference = InferenceActor(driver, self.router)
@@ -68,8 +79,10 @@ class Engine:
     async def _start(self) -> None:
         if self.log is not None:
             started = EngineStarted(
-                model=self.info.model_name, vocab_size=self.info.vocab_size,
-                page_size=self.info.page_size, num_pages=self.info.num_pages,
+                model=self.info.model_name,
+                vocab_size=self.info.vocab_size,
+                page_size=self.info.page_size,
+                num_pages=self.info.num_pages,
                 max_batch_tokens=self.scheduler.core.policy.max_batch_tokens,
                 max_batch_requests=self.scheduler.core.policy.max_batch_requests,
             )

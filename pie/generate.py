@@ -24,7 +24,9 @@ class Generation:
     decode_seconds: float
 
 
-def make_sampler(temperature: float, *, top_p: float | None = None, seed: int | None = None) -> Sampler:
+def make_sampler(
+    temperature: float, *, top_p: float | None = None, seed: int | None = None
+) -> Sampler:
     """Temperature 0 is greedy; otherwise multinomial, or nucleus when top_p is given."""
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
@@ -44,7 +46,9 @@ def step_sampler(sampler: Sampler, step: int) -> Sampler:
     return attrs.evolve(sampler, seed=(seed * 1_000_003 + step) % (2**63))
 
 
-def prompt_ids(tokenizer: Any, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, prompt: str, *, raw: bool = False, system: str | None = None
+) -> list[int]:
     """Token ids for a prompt: chat-templated as one user turn (plus a system turn when given)
     unless `raw`."""
     if raw:
@@ -52,7 +56,9 @@ def prompt_ids(tokenizer: Any, prompt: str, *, raw: bool = False, system: str | 
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
     ]
-    return list(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+    return list(
+        tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    )
 
 
 async def generate(
@@ -80,7 +86,11 @@ async def generate(
 
 
 async def _decode(
-    requester: Requester, ctx: int, prompt: list[int], max_tokens: int, sampler: Sampler,
+    requester: Requester,
+    ctx: int,
+    prompt: list[int],
+    max_tokens: int,
+    sampler: Sampler,
     stop: set[int],
 ) -> Generation:
     started = time.perf_counter()

@@ -24,8 +24,14 @@ def test_generate_log_and_replay(tmp_path: Path, default_model_dir: Path) -> Non
     config = tmp_path / "pie.toml"
     config.write_text(f'[event_log]\npath = "{log_path}"\n[kv]\nnum_pages = 64\n', encoding="utf-8")
     done = pie(
-        "generate", "What is the capital of France?", "--max-tokens", "16",
-        "--model", str(default_model_dir), "--config", str(config),
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+        "--model",
+        str(default_model_dir),
+        "--config",
+        str(config),
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "The capital of France is Paris.\n"

@@ -25,8 +25,11 @@ PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [250, 11, 64, 64, 9, 30, 31], [8]]
 def _hf_greedy(model: Any, ids: list[int], n: int, device: str) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids], device=device), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
+            torch.tensor([ids], device=device),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
     return out[0, len(ids) :].tolist()
 
@@ -44,7 +47,10 @@ async def test_engine_greedy_equals_transformers(tmp_path: Path, case: str, devi
     expected = [_hf_greedy(reference, ids, 20, device) for ids in PROMPTS]
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         async with engine.requester() as req:
-            alone = [(await generate(req, ids, max_tokens=20, sampler=Argmax())).tokens for ids in PROMPTS]
+            alone = [
+                (await generate(req, ids, max_tokens=20, sampler=Argmax())).tokens
+                for ids in PROMPTS
+            ]
         together: dict[int, tuple[int, ...]] = {}
 
         async def run(i: int) -> None:

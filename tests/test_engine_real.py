@@ -48,7 +48,11 @@ def hf_model(default_model_dir: Path) -> Any:  # noqa: F811
 def _hf_greedy(model: Any, ids: list[int], n: int, eos: list[int]) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
         )
     return out[0, len(ids) :].tolist()
 
@@ -100,7 +104,9 @@ async def test_sixteen_concurrent_contexts_batch_and_match_running_alone(real: A
 
         async def run(i: int) -> None:
             async with engine.requester() as r:
-                together[i] = (await generate(r, prompts[i], max_tokens=12, sampler=Argmax())).tokens
+                together[i] = (
+                    await generate(r, prompts[i], max_tokens=12, sampler=Argmax())
+                ).tokens
 
         with trio.fail_after(300):
             async with trio.open_nursery() as nursery:
@@ -123,6 +129,8 @@ async def test_seeded_sampling_is_reproducible_through_the_engine(real: Any) -> 
         async with engine.requester() as req:
             first = await generate(req, ids, max_tokens=16, sampler=sampler)
             second = await generate(req, ids, max_tokens=16, sampler=sampler)
-            other = await generate(req, ids, max_tokens=16, sampler=TopP(temperature=0.9, p=0.9, seed=99))
+            other = await generate(
+                req, ids, max_tokens=16, sampler=TopP(temperature=0.9, p=0.9, seed=99)
+            )
     assert first.tokens == second.tokens
     assert first.tokens != other.tokens

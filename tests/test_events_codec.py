@@ -56,10 +56,20 @@ OUTPUTS = (
     EntropyOutput(value=1.375),
 )
 REQUEST = ForwardRequest(
-    corr=7, requester="client:3", context=4, tokens=tuple(range(10)), positions=tuple(range(5, 15)),
-    kv_start=5, pages=(8, 2, 6), masked_pages=(1,),
-    attention_masks=tuple((0, 6 + i) for i in range(10)), logit_mask=(10, 5, 985), slots=SLOTS,
-    copies=(PageCopy(src=3, dst=2),), final=False, slot_positions=tuple(range(10, 20)),
+    corr=7,
+    requester="client:3",
+    context=4,
+    tokens=tuple(range(10)),
+    positions=tuple(range(5, 15)),
+    kv_start=5,
+    pages=(8, 2, 6),
+    masked_pages=(1,),
+    attention_masks=tuple((0, 6 + i) for i in range(10)),
+    logit_mask=(10, 5, 985),
+    slots=SLOTS,
+    copies=(PageCopy(src=3, dst=2),),
+    final=False,
+    slot_positions=tuple(range(10, 20)),
 )
 
 SAMPLES = (
@@ -73,14 +83,25 @@ SAMPLES = (
     kv_ev.MaskPages(corr=8, requester="a", context=3, pages=(0, 2), masked=False),
     kv_ev.DescribeContext(corr=9, requester="a", context=3),
     kv_ev.SubmitForward(
-        corr=10, requester="a", context=3, tokens=(4, 5), positions=(9, 10),
-        attention_masks=((0, 1), (2,)), logit_mask=(500, 500), slots=SLOTS[:2],
+        corr=10,
+        requester="a",
+        context=3,
+        tokens=(4, 5),
+        positions=(9, 10),
+        attention_masks=((0, 1), (2,)),
+        logit_mask=(500, 500),
+        slots=SLOTS[:2],
     ),
     kv_ev.ReleaseRequester(corr=11, requester="a"),
     kv_ev.PassApplied(corr=12, context=3, ok=False),
     kv_ev.ContextCreated(corr=13, context=3),
     kv_ev.ContextInfo(
-        corr=14, context=3, tokens=(1, 2), positions=(0, 1), pages=1, masked_pages=(0,),
+        corr=14,
+        context=3,
+        tokens=(1, 2),
+        positions=(0, 1),
+        pages=1,
+        masked_pages=(0,),
     ),
     kv_ev.Done(corr=15),
     kv_ev.RequestFailed(corr=16, kind="out_of_pages", message="need 3 pages"),
@@ -89,7 +110,11 @@ SAMPLES = (
     batch_ev.PassFinished(batch=18, seconds=0.125, requests=2, tokens=20, ok=False),
     batch_ev.ForwardCompleted(corr=19, context=3, outputs=OUTPUTS),
     batch_ev.EngineStarted(
-        model="synthetic", vocab_size=1000, page_size=4, num_pages=64, max_batch_tokens=32,
+        model="synthetic",
+        vocab_size=1000,
+        page_size=4,
+        num_pages=64,
+        max_batch_tokens=32,
         max_batch_requests=8,
     ),
     bus_ev.Push(corr=20, requester="a", queue="q", message="hi"),
@@ -146,8 +171,15 @@ def test_generated_forward_requests_round_trip(
     tokens: tuple[int, ...], slots: tuple[SamplingSlot, ...], requester: str, final: bool
 ) -> None:
     request = ForwardRequest(
-        corr=1, requester=requester, context=2, tokens=tokens, positions=tokens, kv_start=0,
-        pages=(0,), slots=slots, final=final,
+        corr=1,
+        requester=requester,
+        context=2,
+        tokens=tokens,
+        positions=tokens,
+        kv_start=0,
+        pages=(0,),
+        slots=slots,
+        final=final,
     )
     event = batch_ev.ScheduleForward(request=request)
     assert codec.loads(codec.dumps(event)) == event
@@ -195,8 +227,12 @@ def test_a_missing_field_is_named() -> None:
             "$.outputs[0]",
         ),
         (
-            {"type": "ForwardCompleted", "corr": 1, "context": 1,
-             "outputs": [{"type": "TokenOutput", "token": 1.5}]},
+            {
+                "type": "ForwardCompleted",
+                "corr": 1,
+                "context": 1,
+                "outputs": [{"type": "TokenOutput", "token": 1.5}],
+            },
             "$.outputs[0].token",
         ),
         ({"type": "ScheduleForward", "request": {"corr": 1}}, "$.request.pages"),

@@ -382,8 +382,12 @@ def test_only_the_owner_may_use_a_context() -> None:
     kv = Kv()
     context = kv.create("a")
     commands: list[tuple[Any, dict[str, Any]]] = [
-        (ev.SubmitForward, {"tokens": (1,)}), (ev.ForkContext, {}), (ev.DestroyContext, {}),
-        (ev.TruncateContext, {"count": 0}), (ev.DescribeContext, {}), (ev.MaskPages, {"pages": ()}),
+        (ev.SubmitForward, {"tokens": (1,)}),
+        (ev.ForkContext, {}),
+        (ev.DestroyContext, {}),
+        (ev.TruncateContext, {"count": 0}),
+        (ev.DescribeContext, {}),
+        (ev.MaskPages, {"pages": ()}),
         (ev.SaveContext, {"name": "n"}),
     ]
     for make, fields in commands:
@@ -409,8 +413,18 @@ def test_a_late_or_repeated_pass_applied_is_ignored() -> None:
 def _churn_step(kv: Kv, rng: random.Random, saved: set[str], flights: list[ForwardRequest]) -> None:
     contexts = list(kv.core.contexts)
     action = rng.choice(
-        ["create", "fork", "save", "open", "delete", "truncate", "mask", "submit", "apply",
-         "destroy"]
+        [
+            "create",
+            "fork",
+            "save",
+            "open",
+            "delete",
+            "truncate",
+            "mask",
+            "submit",
+            "apply",
+            "destroy",
+        ]
     )
     context = rng.choice(contexts) if contexts else None
     if action == "create" or context is None:

@@ -18,8 +18,14 @@ def request(
 ) -> ForwardRequest:
     tokens = tuple(range(100 * corr, 100 * corr + length))
     return ForwardRequest(
-        corr=corr, requester="a", context=corr if context is None else context, tokens=tokens,
-        positions=tuple(range(length)), kv_start=0, pages=(corr,), **fields,
+        corr=corr,
+        requester="a",
+        context=corr if context is None else context,
+        tokens=tokens,
+        positions=tuple(range(length)),
+        kv_start=0,
+        pages=(corr,),
+        **fields,
     )
 
 
@@ -95,7 +101,9 @@ def test_a_long_prefill_is_split_into_chunks_in_order() -> None:
     assert [c.copies for c in chunks] == [long.copies, (), ()]
     assert [c.final for c in chunks] == [False, False, True]
     assert [c.slots for c in chunks] == [
-        (slots[0],), (SamplingSlot(index=2, op=Entropy()),), (SamplingSlot(index=4, op=Argmax()),),
+        (slots[0],),
+        (SamplingSlot(index=2, op=Entropy()),),
+        (SamplingSlot(index=4, op=Argmax()),),
     ]
     assert [c.slot_positions for c in chunks] == [(0,), (1,), (2,)]
     assert chunks[1].attention_masks == masks[10:20]
@@ -112,10 +120,18 @@ def test_a_chunk_without_slots_carries_none() -> None:
 
 def test_chunks_continue_from_the_requests_kv_start() -> None:
     core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
-    core.submit(ForwardRequest(
-        corr=1, requester="a", context=1, tokens=tuple(range(6)), positions=tuple(range(9, 15)),
-        kv_start=9, pages=(0, 1, 2, 3),
-    ), now=0.0)
+    core.submit(
+        ForwardRequest(
+            corr=1,
+            requester="a",
+            context=1,
+            tokens=tuple(range(6)),
+            positions=tuple(range(9, 15)),
+            kv_start=9,
+            pages=(0, 1, 2, 3),
+        ),
+        now=0.0,
+    )
     chunks = [b.requests[0] for b in drain(core)]
     assert [(c.kv_start, c.kv_len) for c in chunks] == [(9, 13), (13, 15)]
 

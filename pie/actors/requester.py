@@ -68,7 +68,9 @@ class Requester:
         reply = _Reply()
         self._waiting[corr] = reply
         try:
-            await self.router.send(self.address, dst, make(corr=corr, requester=self.address, **fields))
+            await self.router.send(
+                self.address, dst, make(corr=corr, requester=self.address, **fields)
+            )
             await reply.done.wait()
         finally:
             self._waiting.pop(corr, None)
@@ -118,8 +120,14 @@ class Requester:
     ) -> tuple[SlotOutput, ...]:
         """Appends `tokens` to the context in one pass and returns one output per slot."""
         done: ForwardCompleted = await self.call(
-            "kv", kv_ev.SubmitForward, context=context, tokens=tuple(tokens), positions=positions,
-            attention_masks=attention_masks, logit_mask=logit_mask, slots=tuple(slots),
+            "kv",
+            kv_ev.SubmitForward,
+            context=context,
+            tokens=tuple(tokens),
+            positions=positions,
+            attention_masks=attention_masks,
+            logit_mask=logit_mask,
+            slots=tuple(slots),
         )
         return done.outputs
 
@@ -134,7 +142,9 @@ class Requester:
     async def publish(self, topic: str, message: str) -> None:
         await self.call("bus", bus_ev.Publish, topic=topic, message=message)
 
-    async def subscribe(self, topic: str, buffer: int = 1024) -> trio.MemoryReceiveChannel[bus_ev.TopicMessage]:
+    async def subscribe(
+        self, topic: str, buffer: int = 1024
+    ) -> trio.MemoryReceiveChannel[bus_ev.TopicMessage]:
         """Messages published on `topic` from now on (a full buffer drops the newest)."""
         corr = next(self._corr)
         send, receive = trio.open_memory_channel[bus_ev.TopicMessage](buffer)

@@ -28,14 +28,25 @@ from pie.events.sampling import (
 
 class SyntheticDriver:
     def __init__(
-        self, *, pass_seconds: float = 0.0, vocab_size: int = 1000, page_size: int = 16,
-        num_pages: int = 4096, max_batch_tokens: int = 512, max_batch_requests: int = 64,
+        self,
+        *,
+        pass_seconds: float = 0.0,
+        vocab_size: int = 1000,
+        page_size: int = 16,
+        num_pages: int = 4096,
+        max_batch_tokens: int = 512,
+        max_batch_requests: int = 64,
     ) -> None:
         self.pass_seconds = pass_seconds
         self.info = DriverInfo(
-            model_name="synthetic", vocab_size=vocab_size, page_size=page_size,
-            num_pages=num_pages, max_batch_tokens=max_batch_tokens,
-            max_batch_requests=max_batch_requests, device="cpu", dtype="none",
+            model_name="synthetic",
+            vocab_size=vocab_size,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_requests=max_batch_requests,
+            device="cpu",
+            dtype="none",
         )
         self.batches: list[ForwardBatch] = []
 
@@ -45,7 +56,8 @@ class SyntheticDriver:
         started = time.perf_counter()
         self.batches.append(batch)
         outputs = [
-            self._read(batch.token_ids[t], op) for t, op in zip(batch.slot_tokens, batch.slot_ops, strict=True)
+            self._read(batch.token_ids[t], op)
+            for t, op in zip(batch.slot_tokens, batch.slot_ops, strict=True)
         ]
         remaining = self.pass_seconds - (time.perf_counter() - started)
         if remaining > 0:
@@ -59,9 +71,13 @@ class SyntheticDriver:
         if isinstance(op, Distribution):
             return DistributionOutput(tokens=(following,), probs=(1.0,))
         if isinstance(op, RawLogits):
-            return LogitsOutput(values=tuple(1.0 if i == following else 0.0 for i in range(self.info.vocab_size)))
+            return LogitsOutput(
+                values=tuple(1.0 if i == following else 0.0 for i in range(self.info.vocab_size))
+            )
         if isinstance(op, LogProbs):
-            return LogProbsOutput(values=tuple(0.0 if t == following else float("-inf") for t in op.tokens))
+            return LogProbsOutput(
+                values=tuple(0.0 if t == following else float("-inf") for t in op.tokens)
+            )
         if isinstance(op, Entropy):
             return EntropyOutput(value=0.0)
         raise DriverError(f"unknown slot op {op!r}")

@@ -1,4 +1,5 @@
-"""The append-only log of every delivered event: an in-memory ring and an optional JSON-lines file."""
+"""The append-only log of every delivered event: an in-memory ring and an optional
+JSON-lines file."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pie.events.sampling import Rle, SamplingSlot
 
 @frozen(kw_only=True)
 class PageCopy:
-    """Copy the KV of page `src` into page `dst` before the pass (copy-on-write of a shared tail)."""
+    """Copy page `src`'s KV into page `dst` before the pass (copy-on-write of a shared tail)."""
 
     src: int
     dst: int

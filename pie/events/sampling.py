@@ -87,7 +87,7 @@ Sampler: TypeAlias = Argmax | Multinomial | TopK | TopP | MinP | TopKTopP
 
 @frozen(kw_only=True)
 class Distribution:
-    """Probe: the k most likely tokens and their probabilities under softmax(logits / temperature)."""
+    """Probe: the k most likely tokens and their probabilities, softmax(logits / temperature)."""
 
     k: int = attrs.field(default=10, validator=_min_one)
     temperature: float = attrs.field(default=1.0, validator=_positive)

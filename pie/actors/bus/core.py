@@ -61,7 +61,9 @@ class BusCore:
         queue = self._queues.setdefault(event.queue, collections.deque())
         if len(queue) >= self.max_queue:
             message = f"queue {event.queue!r} is full ({self.max_queue} messages)"
-            return [(event.requester, RequestFailed(corr=event.corr, kind="overrun", message=message))]
+            return [
+                (event.requester, RequestFailed(corr=event.corr, kind="overrun", message=message))
+            ]
         queue.append(event.message)
         return [(event.requester, Done(corr=event.corr))]
 
@@ -69,14 +71,26 @@ class BusCore:
         queue = self._queues.get(event.queue)
         if queue:
             self._delivered += 1
-            return [(event.requester, ev.Pulled(corr=event.corr, queue=event.queue, message=queue.popleft()))]
-        self._pullers.setdefault(event.queue, collections.deque()).append((event.requester, event.corr))
+            return [
+                (
+                    event.requester,
+                    ev.Pulled(corr=event.corr, queue=event.queue, message=queue.popleft()),
+                )
+            ]
+        self._pullers.setdefault(event.queue, collections.deque()).append(
+            (event.requester, event.corr)
+        )
         return []
 
     def _publish(self, event: ev.Publish) -> list[Output]:
         subscribers = self._topics.get(event.topic, {})
         out: list[Output] = [
-            (who, ev.TopicMessage(corr=corr, topic=event.topic, sender=event.requester, message=event.message))
+            (
+                who,
+                ev.TopicMessage(
+                    corr=corr, topic=event.topic, sender=event.requester, message=event.message
+                ),
+            )
             for who, corr in subscribers.items()
         ]
         self._delivered += len(out)

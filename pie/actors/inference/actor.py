@@ -31,7 +31,12 @@ class InferenceStatistics:
 
 class InferenceActor(Actor):
     def __init__(
-        self, driver: Driver, router: Router, *, kv: str = "kv", scheduler: str = "scheduler",
+        self,
+        driver: Driver,
+        router: Router,
+        *,
+        kv: str = "kv",
+        scheduler: str = "scheduler",
         address: str = "inference",
     ) -> None:
         super().__init__(address, router, capacity=64)
@@ -60,7 +65,9 @@ class InferenceActor(Actor):
         self._last = seconds
         self._tokens += sum(len(r.tokens) for r in requests)
         finished = PassFinished(
-            batch=event.batch, seconds=seconds, requests=len(requests),
+            batch=event.batch,
+            seconds=seconds,
+            requests=len(requests),
             tokens=sum(len(r.tokens) for r in requests),
         )
         self.router.send_nowait(self.address, self.scheduler, finished)
@@ -93,10 +100,13 @@ class InferenceActor(Actor):
             if request.final:
                 gathered = sorted(self._partial.pop(request.corr), key=lambda pair: pair[0])
                 reply = ForwardCompleted(
-                    corr=request.corr, context=request.context,
+                    corr=request.corr,
+                    context=request.context,
                     outputs=tuple(out for _, out in gathered),
                 )
-                self.router.send_nowait(self.address, self.kv, PassApplied(corr=request.corr, context=request.context))
+                self.router.send_nowait(
+                    self.address, self.kv, PassApplied(corr=request.corr, context=request.context)
+                )
                 self.router.send_nowait(self.address, request.requester, reply)
 
     def _fail(self, request: ForwardRequest, err: Exception) -> None:
@@ -108,7 +118,9 @@ class InferenceActor(Actor):
         if not request.final:
             self._failed.add(request.corr)
         failed = RequestFailed(corr=request.corr, kind=kind, message=str(err))
-        self.router.send_nowait(self.address, self.kv, PassApplied(corr=request.corr, context=request.context, ok=False))
+        self.router.send_nowait(
+            self.address, self.kv, PassApplied(corr=request.corr, context=request.context, ok=False)
+        )
         self.router.send_nowait(self.address, request.requester, failed)
 
     def _drop_failed(self, requests: Sequence[ForwardRequest]) -> list[ForwardRequest]:

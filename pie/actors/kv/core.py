@@ -54,7 +54,12 @@ class KvCore:
         try:
             return self._dispatch(event)
         except RequestError as err:
-            return [(event.requester, ev.RequestFailed(corr=event.corr, kind=err.kind, message=str(err)))]
+            return [
+                (
+                    event.requester,
+                    ev.RequestFailed(corr=event.corr, kind=err.kind, message=str(err)),
+                )
+            ]
         except OutOfPages as err:
             failed = ev.RequestFailed(corr=event.corr, kind="out_of_pages", message=str(err))
             return [(event.requester, failed)]
@@ -95,7 +100,9 @@ class KvCore:
             case ev.DescribeContext():
                 return [(event.requester, self._describe(event))]
             case ev.ReleaseRequester():
-                for context in [c for c, ch in self.contexts.items() if ch.owner == event.requester]:
+                for context in [
+                    c for c, ch in self.contexts.items() if ch.owner == event.requester
+                ]:
                     self._drop(context)
                 return [(event.requester, ev.Done(corr=event.corr))]
         raise TypeError(f"kv actor got an unexpected event {type(event).__name__}")

@@ -13,7 +13,9 @@ class OutOfPages(Exception):
     """Not enough free pages for a request."""
 
 
-def chain_hash(previous: bytes, tokens: Sequence[int], positions: Sequence[int], salt: bytes) -> bytes:
+def chain_hash(
+    previous: bytes, tokens: Sequence[int], positions: Sequence[int], salt: bytes
+) -> bytes:
     """The identity of a full page: its tokens and positions, chained over everything before it.
 
     `salt` covers what else shaped the KV (custom attention masks, masked pages).
@@ -50,7 +52,9 @@ class PagePool:
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
-            raise OutOfPages(f"need {count} free KV pages, {len(self._free)} of {self.num_pages} free")
+            raise OutOfPages(
+                f"need {count} free KV pages, {len(self._free)} of {self.num_pages} free"
+            )
         pages = [heapq.heappop(self._free) for _ in range(count)]
         for page in pages:
             self._owners[page] = 1

@@ -25,7 +25,9 @@ def validate_forward(event: SubmitForward, length: int, vocab_size: int) -> None
         raise RequestError("invalid", "a forward pass needs at least one input token")
     bad = [t for t in event.tokens if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError("invalid", f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
+        raise RequestError(
+            "invalid", f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}"
+        )
     if event.positions is not None and len(event.positions) != count:
         raise RequestError("invalid", f"{len(event.positions)} positions for {count} tokens")
     if event.positions is not None and any(not 0 <= p < MAX_POSITION for p in event.positions):
@@ -35,7 +37,9 @@ def validate_forward(event: SubmitForward, length: int, vocab_size: int) -> None
         _check_runs("logit mask", event.logit_mask, (vocab_size,))
     if event.attention_masks is not None:
         if len(event.attention_masks) != count:
-            raise RequestError("invalid", f"{len(event.attention_masks)} attention masks for {count} tokens")
+            raise RequestError(
+                "invalid", f"{len(event.attention_masks)} attention masks for {count} tokens"
+            )
         for i, runs in enumerate(event.attention_masks):
             _check_runs(f"attention mask of token {i}", runs, (length + i + 1, length + count))
 
@@ -43,7 +47,9 @@ def validate_forward(event: SubmitForward, length: int, vocab_size: int) -> None
 def _check_slots(event: SubmitForward, count: int, vocab_size: int) -> None:
     for slot in event.slots:
         if not 0 <= slot.index < count:
-            raise RequestError("invalid", f"sampling slot index {slot.index} outside 0..{count - 1}")
+            raise RequestError(
+                "invalid", f"sampling slot index {slot.index} outside 0..{count - 1}"
+            )
         if isinstance(slot.op, LogProbs):
             bad = [t for t in slot.op.tokens if not 0 <= t < vocab_size]
             if bad:

@@ -14,7 +14,11 @@ from pie.events.batching import PassFinished, ScheduleForward
 
 class SchedulerActor(Actor):
     def __init__(
-        self, core: SchedulerCore, router: Router, *, inference: str = "inference",
+        self,
+        core: SchedulerCore,
+        router: Router,
+        *,
+        inference: str = "inference",
         address: str = "scheduler",
     ) -> None:
         super().__init__(address, router, capacity=65536)

@@ -106,7 +106,10 @@ class SchedulerCore:
     def _should_fire(self, now: float) -> bool:
         if not self._awaited or len(self._queue) >= self.policy.max_batch_requests:
             return True
-        if sum(len(w.request.tokens) - w.offset for w in self._queue) >= self.policy.max_batch_tokens:
+        if (
+            sum(len(w.request.tokens) - w.offset for w in self._queue)
+            >= self.policy.max_batch_tokens
+        ):
             return True
         return now >= self._finished_at + self._last_seconds
 
