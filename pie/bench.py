@@ -75,7 +75,7 @@ def _hf_figures(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
     from pie.drivers.loader import resolve_model
 
     dtype = getattr(torch, engine.info.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         resolve_model(engine.config.model.path), dtype=dtype
     )
     model.eval()

@@ -139,7 +139,8 @@ async def open_engine(
     if driver is None:
         from pie.drivers.factory import build_torch_driver
 
-        driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
+        built, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
+        driver = built
     async with trio.open_nursery() as nursery:
         engine = Engine(config, driver, tokenizer, nursery)
         await engine._start()
