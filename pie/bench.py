@@ -109,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     async def main() -> None:
         async with open_engine(config) as engine:
-            figures.update(_engine_figures_sync_info(engine))
+            figures.update(_run_info(engine))
             figures.update(await _engine_figures(engine, args))
             figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             if not args.no_hf:
@@ -127,7 +127,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def _engine_figures_sync_info(engine: Engine) -> dict[str, Any]:
+def _run_info(engine: Engine) -> dict[str, Any]:
     import torch
 
     return {

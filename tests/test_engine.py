@@ -334,3 +334,23 @@ def test_a_new_log_file_replaces_the_previous_run(tmp_path: Path) -> None:
         log.append("a", "kv", kv.CreateContext(corr=corr, requester="a"))
         log.close()
     assert [e.corr for e in read_log(path)] == [2]
+
+
+async def test_requesters_talk_through_queues_and_topics() -> None:
+    with trio.fail_after(10):
+        async with open_engine(driver=SyntheticDriver()) as engine:
+            async with engine.requester() as alice, engine.requester() as bob:
+                topic = await bob.subscribe("news")
+                await alice.publish("news", "hello")
+                message = await topic.receive()
+                assert (message.sender, message.message) == (alice.address, "hello")
+                async with trio.open_nursery() as nursery:
+                    pulled: list[str] = []
+
+                    async def pull() -> None:
+                        pulled.append(await bob.pull("jobs"))
+
+                    nursery.start_soon(pull)
+                    await trio.testing.wait_all_tasks_blocked()
+                    await alice.push("jobs", "job-1")
+                assert pulled == ["job-1"]

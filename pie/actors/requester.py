@@ -64,16 +64,19 @@ class Requester:
 
     async def call(self, dst: str, make: Any, **fields: Any) -> Any:
         """Sends `make(corr=..., requester=..., **fields)` to `dst` and returns the reply."""
-        corr = next(self._corr)
+        return await self._exchange(
+            dst, make(corr=next(self._corr), requester=self.address, **fields)
+        )
+
+    async def _exchange(self, dst: str, event: Any) -> Any:
+        """Sends a command and waits for the reply with its correlation id."""
         reply = _Reply()
-        self._waiting[corr] = reply
+        self._waiting[event.corr] = reply
         try:
-            await self.router.send(
-                self.address, dst, make(corr=corr, requester=self.address, **fields)
-            )
+            await self.router.send(self.address, dst, event)
             await reply.done.wait()
         finally:
-            self._waiting.pop(corr, None)
+            self._waiting.pop(event.corr, None)
         if isinstance(reply.value, kv_ev.RequestFailed):
             raise RequestRefused(reply.value.kind, reply.value.message)
         return reply.value
@@ -146,14 +149,14 @@ class Requester:
         self, topic: str, buffer: int = 1024
     ) -> trio.MemoryReceiveChannel[bus_ev.TopicMessage]:
         """Messages published on `topic` from now on (a full buffer drops the newest)."""
-        corr = next(self._corr)
+        event = bus_ev.Subscribe(corr=next(self._corr), requester=self.address, topic=topic)
         send, receive = trio.open_memory_channel[bus_ev.TopicMessage](buffer)
-        self._topics[corr] = send
-        reply = _Reply()
-        self._waiting[corr] = reply
-        event = bus_ev.Subscribe(corr=corr, requester=self.address, topic=topic)
-        await self.router.send(self.address, "bus", event)
-        await reply.done.wait()
+        self._topics[event.corr] = send
+        try:
+            await self._exchange("bus", event)
+        except BaseException:
+            self._topics.pop(event.corr).close()
+            raise
         return receive
 
     async def close(self) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import attrs
+
 from pie.events import batching, bus, forward, kv, sampling
 
 EVENT_MODULES = (kv, batching, bus, forward, sampling)
 
 
 def _event_classes() -> tuple[type, ...]:
-    import attrs
-
     seen: dict[str, type] = {}
     for module in EVENT_MODULES:
         for name, obj in vars(module).items():

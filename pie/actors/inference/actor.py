@@ -63,12 +63,10 @@ class InferenceActor(Actor):
         self._passes += 1
         self._busy += seconds
         self._last = seconds
-        self._tokens += sum(len(r.tokens) for r in requests)
+        tokens = sum(len(r.tokens) for r in requests)
+        self._tokens += tokens
         finished = PassFinished(
-            batch=event.batch,
-            seconds=seconds,
-            requests=len(requests),
-            tokens=sum(len(r.tokens) for r in requests),
+            batch=event.batch, seconds=seconds, requests=len(requests), tokens=tokens
         )
         self.router.send_nowait(self.address, self.scheduler, finished)
 
