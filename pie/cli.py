@@ -1,4 +1,5 @@
-"""`pie`: generate | log | replay | bench. Results go to stdout; progress and logs to stderr."""
+"""`pie`: generate | build | run | log | replay | bench. Results go to stdout; progress and logs
+to stderr."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="a system message for the chat template")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _engine_options(gen)
+
+    build = commands.add_parser("build", help="build an inferlet folder into a .wasm component")
+    build.add_argument("folder", help="a folder with main.py defining `async def main(input)`")
+    build.add_argument("-o", "--output", help="the component to write (default: FOLDER.wasm)")
+
+    run = commands.add_parser("run", help="run an inferlet component on the configured model")
+    run.add_argument("program", help="a .wasm component made by `pie build`")
+    run.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
+    _engine_options(run)
 
     log = commands.add_parser("log", help="print an event log file readably")
     log.add_argument("file")
@@ -69,6 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pie.commands import run_generate
 
             return run_generate(args)
+        if args.command == "build":
+            from pie.commands import run_build
+
+            return run_build(args)
+        if args.command == "run":
+            from pie.commands import run_program
+
+            return run_program(args)
         if args.command == "log":
             from pie.commands import run_log
 

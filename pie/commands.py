@@ -1,10 +1,11 @@
-"""The bodies of `pie generate`, `pie log` and `pie replay`."""
+"""The bodies of `pie generate`, `pie build`, `pie run`, `pie log` and `pie replay`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -43,6 +44,53 @@ def run_generate(args: argparse.Namespace) -> int:
 
     print(trio.run(main))
     return 0
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from pie.build import BuildError, build_inferlet
+
+    folder = Path(args.folder)
+    output = Path(args.output) if args.output else Path(f"{folder.resolve().name}.wasm")
+    try:
+        build_inferlet(folder, output)
+    except BuildError as err:
+        print(f"pie build: {err}", file=sys.stderr)
+        return 1
+    print(f"pie: built {output} ({output.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
+def run_program(args: argparse.Namespace) -> int:
+    """Runs one inferlet on an in-process engine: its result alone goes to stdout; its own
+    output, session messages and failures go to stderr."""
+    from pie.cli import engine_config
+    from pie.engine import open_engine
+
+    config = engine_config(args)
+    wasm = Path(args.program).read_bytes()
+
+    async def main() -> Any:
+        async with open_engine(config) as engine:
+            program = engine.programs.add(wasm)
+            return await engine.run_inferlet(program.hash, args.input, on_event=_show_event)
+
+    outcome = trio.run(main)
+    if outcome.status == "returned":
+        print(outcome.result)
+        return 0
+    print(f"pie: the inferlet ended with status {outcome.status}: {outcome.error}", file=sys.stderr)
+    return 1
+
+
+def _show_event(event: Any) -> None:
+    from pie.events.inferlet import InferletOutput, SessionMessage
+
+    if isinstance(event, InferletOutput):
+        sys.stderr.write(event.text)
+    elif isinstance(event, SessionMessage):
+        body = event.text if event.text is not None else f"<{len(event.data or b'')} bytes>"
+        print(f"[session] {body}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def run_log(args: argparse.Namespace) -> int:

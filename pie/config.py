@@ -1,4 +1,5 @@
-"""Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log].
+"""Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log],
+[sandbox].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -67,11 +68,30 @@ class EventLogConfig:
 
 
 @frozen(kw_only=True)
+class SandboxConfig:
+    budget_seconds: float = 300.0
+    """Wall-clock time an inferlet may run, waiting included."""
+    memory_mb: int = field(default=512, validator=_at_least(16))
+    """Linear memory cap per inferlet (a Python inferlet needs about 13 MB to start)."""
+    max_concurrent: int = field(default=64, validator=_at_least(1))
+    """Inferlets running at once; more wait in the admission queue."""
+    cache_dir: str = ""
+    """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""
+    scratch_dir: str = ""
+    """When set, each inferlet gets scratch_dir/<instance> mounted at /scratch."""
+    subscription_buffer: int = field(default=1024, validator=_at_least(1))
+    """Messages a topic subscription holds before it drops (and reports an overrun)."""
+    epoch_ms: float = 5.0
+    """How often the runaway-guest check runs."""
+
+
+@frozen(kw_only=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     kv: KvConfig = KvConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     event_log: EventLogConfig = EventLogConfig()
+    sandbox: SandboxConfig = SandboxConfig()
 
 
 class ConfigError(ValueError):

@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
 from attrs import frozen
 
+from pie import __version__
 from pie.actors.bus import BusCore, BusStatistics
+from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.kv import KvCore, KvStatistics
-from pie.actors.requester import Requester, correlation_ids
+from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
 from pie.actors.scheduler.actor import SchedulerActor
 from pie.config import EngineConfig
 from pie.drivers.base import Driver, DriverInfo
+from pie.drivers.loader.resolve import default_cache_dir
 from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
+from pie.sandbox import SandboxLimits, WasmRuntime
+from pie.sandbox.host import ModelView
 
 
 @frozen(kw_only=True)
@@ -29,6 +35,7 @@ class EngineStatistics:
     scheduler: SchedulerStatistics
     inference: InferenceStatistics
     bus: BusStatistics
+    inferlets: InferletStatistics
     mailboxes: tuple[MailboxStatistics, ...]
     logged_events: int
 
@@ -75,6 +82,35 @@ class Engine:
         self.scheduler = SchedulerActor(SchedulerCore(policy), self.router)
         self.inference = InferenceActor(driver, self.router)
         self.bus = CoreActor(BusCore(), "bus", self.router)
+        self.programs = ProgramRegistry()
+        self.wasm = WasmRuntime(
+            Path(config.sandbox.cache_dir or default_cache_dir() / "components"),
+            epoch_interval=config.sandbox.epoch_ms / 1000,
+        )
+        self.inferlets = self._inferlet_actor(policy.max_batch_tokens)
+
+    def _inferlet_actor(self, max_batch_tokens: int) -> InferletActor:
+        sandbox = self.config.sandbox
+        model = ModelView(
+            name=self.info.model_name,
+            tokenizer=self.tokenizer,
+            vocab_size=self.info.vocab_size,
+            page_size=self.info.page_size,
+            max_batch_tokens=max_batch_tokens,
+        )
+        return InferletActor(
+            InferletCore(self.programs, max_concurrent=sandbox.max_concurrent),
+            self.router,
+            wasm=self.wasm,
+            models=[model],
+            limits=SandboxLimits(
+                budget_seconds=sandbox.budget_seconds, memory_bytes=sandbox.memory_mb << 20
+            ),
+            corr=self._corr,
+            version=__version__,
+            scratch_root=sandbox.scratch_dir,
+            subscription_buffer=sandbox.subscription_buffer,
+        )
 
     async def _start(self) -> None:
         if self.log is not None:
@@ -87,7 +123,8 @@ class Engine:
                 max_batch_requests=self.scheduler.core.policy.max_batch_requests,
             )
             self.log.append("engine", "engine", started)
-        for actor in (self.inference, self.scheduler, self.kv, self.bus):
+        self.wasm.start()
+        for actor in (self.inference, self.scheduler, self.kv, self.bus, self.inferlets):
             await self._nursery.start(actor.run)
 
     @contextlib.asynccontextmanager
@@ -101,23 +138,43 @@ class Engine:
         finally:
             await requester.close()
 
+    async def run_inferlet(
+        self,
+        program: str,
+        input: str,
+        *,
+        user: str = "local",
+        on_event: Callable[[Any], None] | None = None,
+    ) -> InferletOutcome:
+        """Runs a program added to `programs` (by hash, name or name@version) to its end.
+
+        `on_event` receives its InferletStarted, InferletOutput and SessionMessage events.
+        """
+        async with self.requester() as requester:
+            run = await requester.launch(program, input, user=user)
+            return await run.outcome(on_event)
+
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
             kv=self.kv.statistics(),
             scheduler=self.scheduler.statistics(),
             inference=self.inference.statistics(),
             bus=self.bus.statistics(),
+            inferlets=self.inferlets.statistics(),
             mailboxes=tuple(self.router.statistics()),
             logged_events=len(self.log) if self.log is not None else 0,
         )
 
     async def _drain(self, timeout: float) -> None:
-        """Lets passes already placed finish, so no completed work is lost."""
+        """Stops inferlets, then lets passes already placed finish, so no completed work is
+        lost."""
         with trio.move_on_after(timeout, shield=True):
-            while self.kv.core.in_flight:
+            self.inferlets.stop_all("the engine is stopping")
+            while self.inferlets.core.instances or self.kv.core.in_flight:
                 await trio.sleep(0.01)
 
     def _close(self) -> None:
+        self.wasm.close()
         self.router.close()
         if self.log is not None:
             self.log.close()

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 from attrs import frozen
 
-from pie.actors.requester import Requester
+from pie.actors.requester import Requester, RequestRefused
 from pie.events.sampling import Argmax, Multinomial, Sampler, SamplingSlot, TokenOutput, TopP
 
 
@@ -72,17 +72,31 @@ async def generate(
 ) -> Generation:
     """Prefills `prompt` into a fresh context (or `context`), then decodes one token per pass.
 
-    The context is destroyed at the end unless it was passed in.
+    Pages for the whole generation are reserved first, so decode steps allocate none. The
+    context is destroyed at the end unless it was passed in (it then keeps any unused reserve,
+    which its next passes take first).
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     own = context is None
     ctx = await requester.create_context() if context is None else context
     try:
+        # The last sampled token is never fed back, so it needs no KV.
+        await _reserve(requester, ctx, len(prompt) + max_tokens - 1)
         return await _decode(requester, ctx, list(prompt), max_tokens, sampler, set(stop_tokens))
     finally:
         if own:
             await requester.destroy(ctx)
+
+
+async def _reserve(requester: Requester, ctx: int, count: int) -> None:
+    """Reservation only saves allocations: without enough free pages, decoding still runs and
+    allocates step by step (and is refused only if a step itself finds no page)."""
+    try:
+        await requester.reserve(ctx, count)
+    except RequestRefused as err:
+        if err.kind != "out_of_pages":
+            raise
 
 
 async def _decode(

@@ -1,14 +1,18 @@
-"""The `pie` command as a user runs it: generate prints only the completion on stdout, the
+"""The `pie` command as a user runs it: generate and run print only the result on stdout, the
 event log it wrote can be printed and replayed, and a bad config is reported clearly."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.inferlet_fixtures import EXAMPLES, GUESTS
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
 
@@ -62,3 +66,63 @@ def test_a_bad_config_value_is_refused_by_name(tmp_path: Path) -> None:
     done = pie("generate", "hi", "--config", str(config))
     assert done.returncode == 2
     assert "dtype" in done.stderr
+
+
+def run_config(tmp_path: Path, pytestconfig: pytest.Config) -> Path:
+    """Few KV pages, and compiled components kept in pytest's cache between runs."""
+    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else tmp_path
+    config = tmp_path / "pie.toml"
+    config.write_text(
+        f'[kv]\nnum_pages = 64\n[sandbox]\ncache_dir = "{components}"\n', encoding="utf-8"
+    )
+    return config
+
+
+@pytest.mark.slow
+def test_run_prints_only_the_inferlets_result(
+    tmp_path: Path,
+    pytestconfig: pytest.Config,
+    default_model_dir: Path,  # noqa: F811
+    built: Callable[[Path], Path],  # noqa: F811
+) -> None:
+    wasm = built(EXAMPLES / "text-completion")
+    request = {"prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0}
+    done = pie(
+        "run",
+        str(wasm),
+        "--input",
+        json.dumps(request),
+        "--model",
+        str(default_model_dir),
+        "--config",
+        str(run_config(tmp_path, pytestconfig)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "The capital of France is Paris.\n"
+
+
+@pytest.mark.slow
+def test_run_reports_a_failing_inferlet_on_stderr(
+    tmp_path: Path,
+    pytestconfig: pytest.Config,
+    default_model_dir: Path,  # noqa: F811
+    built: Callable[[Path], Path],  # noqa: F811
+) -> None:
+    wasm = built(GUESTS / "misbehave")
+    done = pie(
+        "run",
+        str(wasm),
+        "--input",
+        '{"mode": "raise"}',
+        "--model",
+        str(default_model_dir),
+        "--config",
+        str(run_config(tmp_path, pytestconfig)),
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert "failed" in done.stderr and "ValueError: boom" in done.stderr
+
+
+def test_run_names_a_missing_component(tmp_path: Path) -> None:
+    done = pie("run", str(tmp_path / "nowhere.wasm"))
+    assert done.returncode == 2 and "nowhere.wasm" in done.stderr and done.stdout == ""

@@ -29,6 +29,7 @@ from pie.events.sampling import (
     SlotOutput,
     TokenOutput,
 )
+from pie.generate import generate
 
 GREEDY = (SamplingSlot(index=0, op=Argmax()),)
 
@@ -149,6 +150,36 @@ async def test_closing_a_requester_destroys_its_contexts() -> None:
     assert idle.contexts == 0 and idle.pages_free == idle.pages_total
 
 
+async def test_decoding_within_a_reservation_allocates_no_pages() -> None:
+    with trio.fail_after(10):
+        async with open_engine(driver=SyntheticDriver(page_size=4)) as engine:
+            async with engine.requester() as r:
+                context = await r.create_context()
+                await r.reserve(context, 12)
+                reserved = await r.describe(context)
+                free = engine.statistics().kv.pages_free
+                out = tokens(await r.forward(context, [1, 2, 3], greedy_at(2)))
+                for _ in range(8):
+                    out += tokens(await r.forward(context, out[-1:], GREEDY))
+                    assert engine.statistics().kv.pages_free == free
+                info = await r.describe(context)
+    assert (reserved.pages, reserved.reserved_pages) == (0, 3)
+    assert out == list(range(4, 13))
+    assert (info.pages, info.reserved_pages) == (3, 0)
+
+
+async def test_generation_goes_on_when_its_reservation_is_refused() -> None:
+    with trio.fail_after(10):
+        async with open_engine(driver=SyntheticDriver(page_size=4, num_pages=2)) as engine:
+            async with engine.requester() as r:
+                done = await generate(
+                    r, [1, 2, 3], max_tokens=20, sampler=Argmax(), stop_tokens=[6]
+                )
+            stats = engine.statistics().kv
+    assert (done.tokens, done.stop_reason) == ((4, 5, 6), "stop")
+    assert stats.pages_free == stats.pages_total
+
+
 async def test_a_prompt_longer_than_the_token_budget_is_chunked_and_still_right() -> None:
     driver = SyntheticDriver(page_size=4)
     config = with_overrides(EngineConfig(), scheduler={"max_batch_tokens": 8})
@@ -255,6 +286,27 @@ async def test_replaying_the_json_lines_file_after_close_is_exact(tmp_path: Path
     result = replay(on_disk, "kv", core)
     assert result.exact, result.mismatches
     assert core.state() == engine.kv.core.state()
+
+
+async def test_replaying_reservations_and_a_pass_rolled_back_into_one_is_exact() -> None:
+    driver = PoisonDriver(poison=666, page_size=4)
+    driver.gate.set()
+    with trio.fail_after(10):
+        async with open_engine(driver=driver) as engine:
+            async with engine.requester() as r:
+                context = await r.create_context()
+                await r.reserve(context, 10)
+                with pytest.raises(RequestRefused):
+                    await r.forward(context, [1, 2, 3, 4, 5, 666])
+                await decode(r, [1, 2], 4)
+                with pytest.raises(RequestRefused):
+                    await r.reserve(context, 10**9)
+                assert engine.log is not None
+                core = fresh_kv(engine)
+                result = replay(engine.log.records(), "kv", core)
+                live = engine.kv.core.state()
+    assert result.exact, result.mismatches
+    assert core.state() == live
 
 
 async def test_a_command_cancelled_before_it_is_sent_leaves_no_record() -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pie.events import ALL_EVENTS, codec
 from pie.events import batching as batch_ev
 from pie.events import bus as bus_ev
+from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import (
@@ -125,6 +126,19 @@ SAMPLES = (
     bus_ev.LeaveBus(corr=25, requester="b"),
     bus_ev.Pulled(corr=26, queue="q", message="hi"),
     bus_ev.TopicMessage(corr=27, topic="news", sender="a", message="extra"),
+    kv_ev.ReserveTokens(corr=28, requester="a", context=3, count=40),
+    inf_ev.LaunchInferlet(corr=29, requester="a", program="demo@1.0", input='{"x": 1}'),
+    inf_ev.InferletLaunched(corr=29, instance="i1", queued=True),
+    inf_ev.TerminateInferlet(corr=30, requester="a", instance="i1"),
+    inf_ev.SendToInferlet(corr=31, requester="a", instance="i1", data=b"\x00\xffbytes"),
+    inf_ev.SessionInput(instance="i1", text="hello"),
+    inf_ev.InferletStarted(instance="i1", program="ab" * 32),
+    inf_ev.InferletOutput(instance="i1", stream="stderr", text="warning\n"),
+    inf_ev.SessionMessage(instance="i1", data=b"\x01\x02"),
+    inf_ev.InferletReturned(instance="i1", result="{}", seconds=0.25),
+    inf_ev.InferletFailed(instance="i1", status="timeout", error="out of time", seconds=300.0),
+    inf_ev.InferletTerminated(instance="i1", reason="terminated by a", seconds=1.5),
+    inf_ev.InferletFinished(instance="i1", status="returned", result="{}", seconds=0.25),
     PageCopy(src=1, dst=2),
     REQUEST,
     *OPS,

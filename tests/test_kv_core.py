@@ -1,5 +1,6 @@
 """The kv core driven directly: placing passes in pages, fork and copy-on-write, snapshots,
-truncation, prefix sharing, failures that leave no trace, and a long random churn."""
+truncation, prefix sharing, reserved pages, failures that leave no trace, and a long random
+churn."""
 
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ class Kv:
 
     def pages(self, context: int) -> list[int]:
         return list(self.core.contexts[context].pages)
+
+    def reserve(self, context: int, count: int, requester: str = "a") -> list[int]:
+        self.ok(ev.ReserveTokens, requester, context=context, count=count)
+        return list(self.core.contexts[context].reserved)
 
 
 def test_submit_places_tokens_in_pages_and_continues_positions() -> None:
@@ -350,6 +355,126 @@ def test_destroying_a_context_in_flight_frees_its_pages_after_the_pass() -> None
     assert kv.core.statistics().passes_in_flight == 0
 
 
+def test_reserving_allocates_the_pages_the_tokens_will_need_beyond_those_held() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5, 6])
+    reserved = kv.reserve(context, 7)
+    assert len(reserved) == 2 and not set(reserved) & set(kv.pages(context))
+    assert (kv.describe(context).pages, kv.describe(context).reserved_pages) == (2, 2)
+    assert kv.pool.free == 32 - 4
+    assert kv.reserve(context, 5) == reserved
+    assert kv.reserve(context, 0) == reserved
+    assert kv.submit(context, [7]).pages == tuple(kv.pages(context))
+
+
+def test_decoding_within_the_reserve_takes_its_pages_in_order_and_allocates_none() -> None:
+    kv = Kv()
+    context = kv.create()
+    reserved = kv.reserve(context, 10)
+    free = kv.pool.free
+    assert kv.write(context, [1, 2, 3]).pages == tuple(reserved[:1])
+    for token in range(4, 11):
+        kv.write(context, [token])
+        assert kv.pool.free == free
+    assert kv.pages(context) == reserved and kv.describe(context).reserved_pages == 0
+    kv.write(context, [11, 12, 13])
+    assert kv.pool.free == free - 1
+
+
+def test_a_pass_larger_than_the_reserve_takes_the_rest_from_the_pool() -> None:
+    kv = Kv()
+    context = kv.create()
+    reserved = kv.reserve(context, 4)
+    request = kv.write(context, list(range(1, 10)))
+    assert request.pages[0] == reserved[0] and len(request.pages) == 3
+    assert kv.pool.free == 32 - 3
+
+
+def test_a_failed_pass_returns_the_pages_it_took_to_the_reserve() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2])
+    kv.reserve(context, 8)
+    before = kv.core.state()
+    kv.apply(kv.submit(context, list(range(3, 20))), ok=False)
+    assert kv.core.state() == before
+    assert kv.describe(context).reserved_pages == 2
+
+
+def test_a_forks_tail_copy_takes_its_fresh_page_from_the_reserve() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5, 6])
+    child = kv.fork(parent)
+    [fresh] = kv.reserve(child, 1)
+    free = kv.pool.free
+    before = kv.core.state()
+    request = kv.submit(child, [7])
+    assert request.copies == (PageCopy(src=kv.pages(parent)[1], dst=fresh),)
+    kv.apply(request, ok=False)
+    assert kv.core.state() == before
+    kv.write(child, [7])
+    assert kv.pool.free == free and kv.pages(child)[1] == fresh
+
+
+def test_reserving_while_a_pass_is_in_flight_counts_the_tokens_it_placed() -> None:
+    kv = Kv()
+    context = kv.create()
+    request = kv.submit(context, [1, 2, 3, 4, 5])
+    assert len(kv.reserve(context, 4)) == 1
+    kv.apply(request, ok=False)
+    assert kv.describe(context).reserved_pages == 1 and kv.pool.free == 32 - 1
+    _assert_consistent(kv)
+
+
+def test_truncating_keeps_the_reserve() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, list(range(1, 10)))
+    reserved = kv.reserve(context, 4)
+    assert len(reserved) == 1
+    kv.ok(ev.TruncateContext, context=context, count=9)
+    assert kv.core.contexts[context].reserved == reserved
+    assert kv.pool.free == 32 - 1
+
+
+def test_destroying_or_releasing_returns_reserved_pages_to_the_pool() -> None:
+    kv = Kv()
+    first, second = kv.create(), kv.create()
+    kv.write(first, [1, 2])
+    kv.reserve(first, 20)
+    kv.reserve(second, 20)
+    kv.ok(ev.DestroyContext, context=first)
+    assert kv.pool.free == 32 - 5
+    kv.ok(ev.ReleaseRequester)
+    assert kv.pool.free == 32
+
+
+def test_forks_and_snapshots_start_without_a_reserve() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5])
+    reserved = kv.reserve(parent, 12)
+    child = kv.fork(parent)
+    kv.ok(ev.SaveContext, context=parent, name="s")
+    opened = int(kv.ok(ev.OpenContext, name="s").context)
+    taken = int(kv.ok(ev.OpenContext, name="s", take=True).context)
+    assert [kv.describe(c).reserved_pages for c in (parent, child, opened, taken)] == [3, 0, 0, 0]
+    assert all(kv.pool.owners(p) == 1 for p in reserved)
+
+
+def test_a_reservation_refused_for_lack_of_pages_changes_nothing() -> None:
+    kv = Kv(num_pages=3)
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    before = kv.core.state()
+    assert kv.refused(ev.ReserveTokens, context=context, count=8).kind == "out_of_pages"
+    assert kv.refused(ev.ReserveTokens, context=context, count=-1).kind == "invalid"
+    assert kv.refused(ev.ReserveTokens, "b", context=context, count=1).kind == "not_owner"
+    assert kv.core.state() == before
+
+
 @pytest.mark.parametrize(
     ("fields", "words"),
     [
@@ -422,6 +547,7 @@ def _churn_step(kv: Kv, rng: random.Random, saved: set[str], flights: list[Forwa
             "truncate",
             "mask",
             "submit",
+            "reserve",
             "apply",
             "destroy",
         ]
@@ -451,6 +577,8 @@ def _churn_step(kv: Kv, rng: random.Random, saved: set[str], flights: list[Forwa
         [(_, out)] = kv.send(ev.SubmitForward, context=context, tokens=tokens)
         if isinstance(out, ScheduleForward):
             flights.append(out.request)
+    elif action == "reserve":
+        kv.send(ev.ReserveTokens, context=context, count=rng.randrange(12))
     elif action == "apply" and flights:
         kv.apply(flights.pop(rng.randrange(len(flights))), ok=rng.random() < 0.8)
     elif action == "destroy":
@@ -463,7 +591,7 @@ def _assert_consistent(kv: Kv) -> None:
     pins = [0] * kv.pool.num_pages
     for chain in [*kv.core.contexts.values(), *kv.core.snapshots.values()]:
         assert len(chain.pages) == -(-len(chain.tokens) // PAGE)
-        for page in chain.pages:
+        for page in [*chain.pages, *chain.reserved]:
             owners[page] += 1
     for flight in kv.core.in_flight.values():
         for page in flight.pinned:

@@ -4,13 +4,17 @@ correlation id. The engine's own API, the CLI and (later) each inferlet speak th
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import trio
 
 from pie.actors.runtime import Router
+from attrs import frozen
+
 from pie.events import bus as bus_ev
+from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
 from pie.events.batching import ForwardCompleted
 from pie.events.sampling import Rle, SamplingSlot, SlotOutput
@@ -23,6 +27,66 @@ class RequestRefused(Exception):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
+
+
+@frozen(kw_only=True)
+class InferletOutcome:
+    """How an inferlet ended: `status` is returned, failed, trapped, timeout, memory or
+    terminated; `result` is set when it returned, `error` otherwise."""
+
+    instance: str
+    status: str
+    result: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "returned"
+
+
+def outcome_of(end: inf_ev.InferletEnd) -> InferletOutcome:
+    match end:
+        case inf_ev.InferletReturned():
+            return InferletOutcome(
+                instance=end.instance, status="returned", result=end.result, seconds=end.seconds
+            )
+        case inf_ev.InferletFailed():
+            return InferletOutcome(
+                instance=end.instance, status=end.status, error=end.error, seconds=end.seconds
+            )
+    return InferletOutcome(
+        instance=end.instance, status="terminated", error=end.reason, seconds=end.seconds
+    )
+
+
+class InferletRun:
+    """A launched inferlet as its launcher sees it: its lifecycle events, in order."""
+
+    def __init__(self, requester: Requester, instance: str, queued: bool) -> None:
+        self.requester = requester
+        self.instance = instance
+        self.queued = queued
+        self.events: trio.MemoryReceiveChannel[Any] = requester._runs[instance][1]
+
+    async def outcome(self, on_event: Any = None) -> InferletOutcome:
+        """Waits for the end, handing every other lifecycle event to `on_event`."""
+        async for event in self.events:
+            if isinstance(event, inf_ev.InferletEnd):
+                self.requester._runs.pop(self.instance, None)
+                return outcome_of(event)
+            if on_event is not None:
+                on_event(event)
+        raise RuntimeError(f"the engine stopped before inferlet {self.instance} ended")
+
+    async def send(self, text: str | None = None, data: bytes | None = None) -> None:
+        """A message for the inferlet's `session.receive`."""
+        await self.requester.call(
+            "inferlets", inf_ev.SendToInferlet, instance=self.instance, text=text, data=data
+        )
+
+    async def terminate(self) -> None:
+        await self.requester.call("inferlets", inf_ev.TerminateInferlet, instance=self.instance)
 
 
 class _Reply:
@@ -41,6 +105,8 @@ class Requester:
         self._inbox = router.register(address, capacity=65536)
         self._waiting: dict[int, _Reply] = {}
         self._topics: dict[int, trio.MemorySendChannel[bus_ev.TopicMessage]] = {}
+        self._runs: dict[str, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
+        self._runs = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -49,6 +115,14 @@ class Requester:
                 self._deliver(event)
 
     def _deliver(self, event: Any) -> None:
+        if isinstance(event, inf_ev.InferletLaunched):
+            # Opened here, before the launcher resumes, so no lifecycle event can miss it.
+            self._runs[event.instance] = trio.open_memory_channel[Any](math.inf)
+        elif _is_lifecycle(event):
+            run = self._runs.get(event.instance)
+            if run is not None:
+                run[0].send_nowait(event)
+            return
         if isinstance(event, bus_ev.TopicMessage):
             channel = self._topics.get(event.corr)
             if channel is not None:
@@ -103,6 +177,10 @@ class Requester:
 
     async def truncate(self, context: int, count: int) -> None:
         await self.call("kv", kv_ev.TruncateContext, context=context, count=count)
+
+    async def reserve(self, context: int, count: int) -> None:
+        """Takes now the pages `count` more tokens will need, so later passes allocate none."""
+        await self.call("kv", kv_ev.ReserveTokens, context=context, count=count)
 
     async def mask_pages(self, context: int, pages: tuple[int, ...], masked: bool = True) -> None:
         await self.call("kv", kv_ev.MaskPages, context=context, pages=tuple(pages), masked=masked)
@@ -159,14 +237,40 @@ class Requester:
             raise
         return receive
 
+    # -- inferlets ----------------------------------------------------------------------------
+
+    async def launch(self, program: str, input: str, user: str = "local") -> InferletRun:
+        """Starts an inferlet; its events and outcome come through the returned run."""
+        launched: inf_ev.InferletLaunched = await self.call(
+            "inferlets", inf_ev.LaunchInferlet, program=program, input=input, user=user
+        )
+        return InferletRun(self, launched.instance, launched.queued)
+
     async def close(self) -> None:
         """Releases every context this requester owns and leaves the bus."""
         with trio.move_on_after(5, shield=True):
+            for instance in list(self._runs):
+                # An inferlet does not outlive the requester that launched it.
+                await self.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
             await self.call("kv", kv_ev.ReleaseRequester)
             await self.call("bus", bus_ev.LeaveBus)
         self.router.unregister(self.address)
         for channel in self._topics.values():
             channel.close()
+
+
+_LIFECYCLE = (
+    inf_ev.InferletStarted,
+    inf_ev.InferletOutput,
+    inf_ev.SessionMessage,
+    inf_ev.InferletReturned,
+    inf_ev.InferletFailed,
+    inf_ev.InferletTerminated,
+)
+
+
+def _is_lifecycle(event: Any) -> bool:
+    return isinstance(event, _LIFECYCLE)
 
 
 def correlation_ids() -> Iterator[int]:

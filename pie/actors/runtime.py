@@ -3,6 +3,7 @@ the Actor base class every shell builds on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -33,6 +34,8 @@ class _Mailbox:
     receive: trio.MemoryReceiveChannel[Any]
     capacity: int
     delivered: int = 0
+    handler: Callable[[Any], None] | None = None
+    """Set for addresses that take deliveries synchronously instead of through the channel."""
 
 
 class Router:
@@ -48,6 +51,15 @@ class Router:
         send, receive = trio.open_memory_channel[Any](capacity)
         self._boxes[address] = _Mailbox(send, receive, capacity)
         return receive
+
+    def register_handler(self, address: str, handler: Callable[[Any], None]) -> None:
+        """An address whose deliveries call `handler(event)` on the Trio thread at once.
+
+        For addresses that only hand events to another thread: it saves a task switch per event.
+        `handler` must not block or raise.
+        """
+        self.register(address, capacity=1).close()
+        self._boxes[address].handler = handler
 
     def unregister(self, address: str) -> None:
         box = self._boxes.pop(address, None)
@@ -65,6 +77,9 @@ class Router:
         # cancelled after the hand-off, unless the mailbox is full and it has to wait.
         await trio.lowlevel.checkpoint_if_cancelled()
         self._record(src, dst, event, box)
+        if box.handler is not None:
+            box.handler(event)
+            return
         await box.send.send(event)
 
     def send_nowait(self, src: str, dst: str, event: Any) -> bool:
@@ -73,6 +88,10 @@ class Router:
         box = self._boxes.get(dst)
         if box is None:
             return False
+        if box.handler is not None:
+            self._record(src, dst, event, box)
+            box.handler(event)
+            return True
         try:
             box.send.send_nowait(event)
         except trio.WouldBlock:

@@ -68,6 +68,17 @@ class TruncateContext:
 
 
 @frozen(kw_only=True)
+class ReserveTokens:
+    """Make sure `count` more tokens fit in a context without allocating: the pages they need
+    are taken from the pool now and kept aside for the context's later passes."""
+
+    corr: int
+    requester: str
+    context: int
+    count: int
+
+
+@frozen(kw_only=True)
 class MaskPages:
     """Hide (or show again) whole pages of a context from attention: windows and sinks."""
 
@@ -125,6 +136,7 @@ KvCommand = (
     | OpenContext
     | DeleteSnapshot
     | TruncateContext
+    | ReserveTokens
     | MaskPages
     | DescribeContext
     | SubmitForward
@@ -146,7 +158,10 @@ class ContextInfo:
     tokens: tuple[int, ...]
     positions: tuple[int, ...] = field(default=())
     pages: int = 0
+    """Pages holding the context's tokens."""
     masked_pages: tuple[int, ...] = ()
+    reserved_pages: int = 0
+    """Pages set aside by `ReserveTokens` that no token uses yet."""
 
 
 @frozen(kw_only=True)

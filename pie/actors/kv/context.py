@@ -10,7 +10,8 @@ class Chain:
     """Tokens, positions and the pages holding their KV.
 
     Token i lives in pages[i // page_size]. `hashes[j]` identifies full page j once its KV is
-    written (committed); `written` counts tokens whose KV exists.
+    written (committed); `written` counts tokens whose KV exists. `reserved` pages are owned by
+    the chain but hold no tokens yet: later passes take them, in order, before the pool's.
     """
 
     owner: str
@@ -23,8 +24,11 @@ class Chain:
     salt: bytes = b""
     in_flight: int | None = None
     """The corr of the pass writing into this chain, if any."""
+    reserved: list[int] = field(factory=list)
 
     def copy(self, owner: str) -> Chain:
+        """The same tokens over the same pages (the caller counts the new owner in the pool),
+        with an empty reserve: reserved pages are this chain's alone."""
         return Chain(
             owner=owner,
             pages=list(self.pages),
@@ -49,6 +53,7 @@ class Chain:
             self.written,
             tuple(sorted(self.masked)),
             self.salt,
+            tuple(self.reserved),
         )
 
 
@@ -63,3 +68,6 @@ class InFlight:
     replaced_tail: tuple[int, int] | None
     """(index, original page) when the tail page was copied before writing."""
     old_salt: bytes
+    from_reserve: int = 0
+    """How many of the pages the pass took (added pages, then the tail's copy) came from the
+    chain's reserve: a rollback returns those to the reserve rather than the pool."""

@@ -94,6 +94,9 @@ class KvCore:
             case ev.TruncateContext():
                 self._truncate(self._owned(event.context, event.requester), event.count)
                 return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.ReserveTokens():
+                self._reserve(self._owned(event.context, event.requester), event.count)
+                return [(event.requester, ev.Done(corr=event.corr))]
             case ev.MaskPages():
                 self._mask(self._owned(event.context, event.requester), event.pages, event.masked)
                 return [(event.requester, ev.Done(corr=event.corr))]
@@ -118,21 +121,14 @@ class KvCore:
             start = chain.next_position()
             positions = tuple(range(start, start + len(event.tokens)))
         old_length = len(chain.tokens)
-        new_length = old_length + len(event.tokens)
-        needed = -(-new_length // self.page_size) - len(chain.pages)
+        needed = self._pages_for(old_length + len(event.tokens)) - len(chain.pages)
         tail = self._tail_needing_copy(chain, old_length)
-        added = self.pool.allocate(needed + (1 if tail is not None else 0))
+        added, from_reserve = self._take(chain, needed + (1 if tail is not None else 0))
         copies: tuple[PageCopy, ...] = ()
         replaced = None
         if tail is not None:
-            fresh = added.pop()
-            copies = (PageCopy(src=chain.pages[tail], dst=fresh),)
             replaced = (tail, chain.pages[tail])
-            # The original stays pinned below as the copy's source, then loses this owner.
-            self.pool.pin([chain.pages[tail]])
-            self.pool.release([chain.pages[tail]])
-            chain.pages[tail] = fresh
-            self._tail_copies += 1
+            copies = (self._copy_tail(chain, tail, added.pop()),)
         chain.pages.extend(added)
         old_salt = chain.salt
         if event.attention_masks is not None:
@@ -149,6 +145,7 @@ class KvCore:
             added_pages=added,
             replaced_tail=replaced,
             old_salt=old_salt,
+            from_reserve=from_reserve,
         )
         return ForwardRequest(
             corr=event.corr,
@@ -164,6 +161,27 @@ class KvCore:
             slots=event.slots,
             copies=copies,
         )
+
+    def _take(self, chain: Chain, count: int) -> tuple[list[int], int]:
+        """`count` pages for a pass, the chain's reserve first, and how many came from it."""
+        from_reserve = min(count, len(chain.reserved))
+        pages = self.pool.allocate(count - from_reserve)
+        taken = chain.reserved[:from_reserve]
+        del chain.reserved[:from_reserve]
+        return taken + pages, from_reserve
+
+    def _copy_tail(self, chain: Chain, tail: int, fresh: int) -> PageCopy:
+        original = chain.pages[tail]
+        # The original stays pinned as the copy's source until the pass ends; this chain no
+        # longer owns it.
+        self.pool.pin([original])
+        self.pool.release([original])
+        chain.pages[tail] = fresh
+        self._tail_copies += 1
+        return PageCopy(src=original, dst=fresh)
+
+    def _pages_for(self, length: int) -> int:
+        return -(-length // self.page_size)
 
     def _tail_needing_copy(self, chain: Chain, length: int) -> int | None:
         if length % self.page_size == 0:
@@ -208,14 +226,17 @@ class KvCore:
         del chain.tokens[flight.old_length :]
         del chain.positions[flight.old_length :]
         chain.salt = flight.old_salt
+        taken = list(flight.added_pages)
         for page in flight.added_pages:
             chain.pages.remove(page)
-        self.pool.release(flight.added_pages)
         if flight.replaced_tail is not None:
             index, original = flight.replaced_tail
-            self.pool.release([chain.pages[index]])
+            taken.append(chain.pages[index])
             self.pool.share([original])
             chain.pages[index] = original
+        # Each page goes back where `_take` found it, so the chain is as it was before the pass.
+        chain.reserved[:0] = taken[: flight.from_reserve]
+        self.pool.release(taken[flight.from_reserve :])
 
     # -- context lifecycle -------------------------------------------------------------------
 
@@ -248,13 +269,25 @@ class KvCore:
     def _drop(self, context: int) -> None:
         chain = self.contexts.pop(context)
         self.pool.release(chain.pages)
+        self.pool.release(chain.reserved)
+
+    def _reserve(self, chain: Chain, count: int) -> None:
+        # A pass in flight is no obstacle: it already holds its pages, and the pages it took
+        # from the reserve go back to the reserve's front if it fails. A copied tail needs one
+        # fresh page more.
+        if count < 0:
+            raise RequestError("invalid", f"cannot reserve {count} tokens")
+        length = len(chain.tokens)
+        copy = 1 if count and self._tail_needing_copy(chain, length) is not None else 0
+        wanted = self._pages_for(length + count) + copy - len(chain.pages) - len(chain.reserved)
+        chain.reserved.extend(self.pool.allocate(max(wanted, 0)))
 
     def _truncate(self, chain: Chain, count: int) -> None:
         self._quiet(chain, "truncate")
         if not 0 <= count <= len(chain.tokens):
             raise RequestError("invalid", f"cannot truncate {count} of {len(chain.tokens)} tokens")
         length = len(chain.tokens) - count
-        keep = -(-length // self.page_size)
+        keep = self._pages_for(length)
         self.pool.release(chain.pages[keep:])
         del chain.pages[keep:]
         del chain.tokens[length:]
@@ -281,6 +314,7 @@ class KvCore:
             positions=tuple(chain.positions),
             pages=len(chain.pages),
             masked_pages=tuple(sorted(chain.masked)),
+            reserved_pages=len(chain.reserved),
         )
 
     # -- lookups ---------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""The inferlet actor's shell: runs each admitted instance on a thread of its own, bridges
+its host calls into the engine, and cleans up after it whatever way it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pie.actors.inferlet.core import Instance, InferletCore, InferletStatistics
+from pie.actors.runtime import Actor, MailboxOverrun, Router
+from pie.events import bus as bus_ev
+from pie.events import inferlet as ev
+from pie.events import kv as kv_ev
+from pie.sandbox import GuestStopped, InvalidProgram, KillSwitch, RunOutcome, SandboxLimits
+from pie.sandbox import WasmRuntime
+from pie.sandbox.host import InstanceState, ModelView, add_inferlet_api, bind
+
+GUEST_NICENESS = 10
+"""Guest threads run at a lower priority, so a busy guest never delays the driver thread."""
+
+
+class TrioBridge:
+    """Host calls reach the Trio thread with one `run_sync_soon` each; nothing waits there."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken, router: Router, address: str) -> None:
+        self._token = token
+        self._router = router
+        self._address = address
+        self.state: InstanceState | None = None
+
+    def post(self, dst: str, event: Any) -> None:
+        try:
+            self._token.run_sync_soon(self._send, dst, event)
+        except trio.RunFinishedError:
+            raise GuestStopped("killed", "the engine has stopped") from None
+
+    def _send(self, dst: str, event: Any) -> None:
+        try:
+            delivered = self._router.send_nowait(self._address, dst, event)
+            reason = f"nothing listens at {dst!r}"
+        except MailboxOverrun as exc:
+            delivered, reason = False, str(exc)
+        corr = getattr(event, "corr", None)
+        if not delivered and corr is not None and self.state is not None:
+            self.state.deliver(kv_ev.RequestFailed(corr=corr, kind="closed", message=reason))
+
+
+class InferletActor(Actor):
+    def __init__(
+        self,
+        core: InferletCore,
+        router: Router,
+        *,
+        wasm: WasmRuntime,
+        models: list[ModelView],
+        limits: SandboxLimits,
+        corr: Iterator[int],
+        version: str,
+        scratch_root: str = "",
+        subscription_buffer: int = 1024,
+    ) -> None:
+        super().__init__("inferlets", router, capacity=65536)
+        self.core = core
+        self.wasm = wasm
+        self.models = models
+        self.limits = limits
+        self.version = version
+        self._corr = corr
+        self._scratch_root = scratch_root
+        self._subscription_buffer = subscription_buffer
+        self._linker = wasm.new_linker()
+        add_inferlet_api(self._linker)
+        self._kills: dict[str, KillSwitch] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(super().run)
+            task_status.started()
+
+    async def handle(self, event: Any) -> None:
+        self.emit(self.core.handle(event))
+        self._apply()
+
+    def _apply(self) -> None:
+        assert self._nursery is not None
+        for instance in self.core.to_start:
+            kill = KillSwitch()
+            self._kills[instance.id] = kill
+            self._nursery.start_soon(self._run_instance, instance, kill)
+        self.core.to_start.clear()
+        for instance_id, reason in self.core.to_kill:
+            kill_switch = self._kills.get(instance_id)
+            if kill_switch is not None:
+                kill_switch.kill(reason)
+        self.core.to_kill.clear()
+
+    def stop_all(self, reason: str) -> None:
+        """Ends every queued and running instance (engine shutdown)."""
+        self.emit(self.core.stop_all(reason))
+        self._apply()
+
+    async def _run_instance(self, instance: Instance, kill: KillSwitch) -> None:
+        bridge = TrioBridge(trio.lowlevel.current_trio_token(), self.router, instance.address)
+        state = InstanceState(
+            instance=instance.id,
+            address=instance.address,
+            user=instance.user,
+            bridge=bridge,
+            models=self.models,
+            kill=kill,
+            corr=self._corr,
+            budget_seconds=self.limits.budget_seconds,
+            version=self.version,
+            subscription_buffer=self._subscription_buffer,
+        )
+        bridge.state = state
+        self.router.register_handler(instance.address, state.deliver)
+        finished = trio.Event()
+        outcome: list[RunOutcome] = []
+
+        def done(result: RunOutcome) -> None:
+            outcome.append(result)
+            finished.set()
+
+        token = trio.lowlevel.current_trio_token()
+        wasm = self.core.programs.resolve(instance.program.hash).wasm
+        limits = self._limits_for(instance)
+        thread = threading.Thread(
+            target=self._thread_main,
+            args=(state, wasm, instance.input, limits, lambda r: token.run_sync_soon(done, r)),
+            name=f"inferlet-{instance.id}",
+            daemon=True,
+        )
+        thread.start()
+        try:
+            await finished.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                if not finished.is_set():
+                    kill.kill("the engine is stopping")
+                    with trio.move_on_after(5):
+                        await finished.wait()
+                self._clean_up(instance, outcome[0] if outcome else None)
+
+    def _limits_for(self, instance: Instance) -> SandboxLimits:
+        if not self._scratch_root:
+            return self.limits
+        scratch = Path(self._scratch_root) / instance.id
+        scratch.mkdir(parents=True, exist_ok=True)
+        return SandboxLimits(
+            budget_seconds=self.limits.budget_seconds,
+            memory_bytes=self.limits.memory_bytes,
+            scratch_dir=str(scratch),
+        )
+
+    def _thread_main(
+        self, state: InstanceState, wasm: bytes, input: str, limits: SandboxLimits, done: Any
+    ) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GUEST_NICENESS)
+        bind(state)
+        started = time.monotonic()
+        try:
+            outcome = self._execute(state, wasm, input, limits)
+        except BaseException as exc:  # the host must learn of every end, whatever happened
+            outcome = RunOutcome(
+                status="trapped",
+                value=None,
+                error=f"{type(exc).__name__}: {exc}",
+                seconds=time.monotonic() - started,
+            )
+        finally:
+            bind(None)
+        try:
+            done(outcome)
+        except trio.RunFinishedError:
+            pass
+
+    def _execute(
+        self, state: InstanceState, wasm: bytes, input: str, limits: SandboxLimits
+    ) -> RunOutcome:
+        try:
+            _, component = self.wasm.cache.load(wasm)
+        except InvalidProgram as exc:
+            return RunOutcome(status="failed", value=None, error=str(exc), seconds=0.0)
+
+        def on_output(stream: str, data: bytes) -> None:
+            text = data.decode("utf-8", errors="replace")
+            with contextlib.suppress(GuestStopped):
+                state.bridge.post("inferlets", ev.InferletOutput(
+                    instance=state.instance, stream=stream, text=text
+                ))
+
+        return self.wasm.run(
+            component, self._linker, input, limits=limits, kill=state.kill, on_output=on_output
+        )
+
+    def _clean_up(self, instance: Instance, outcome: RunOutcome | None) -> None:
+        self._kills.pop(instance.id, None)
+        self.router.unregister(instance.address)
+        src = instance.address
+        self.router.send_nowait(src, "kv", kv_ev.ReleaseRequester(corr=next(self._corr), requester=src))
+        self.router.send_nowait(src, "bus", bus_ev.LeaveBus(corr=next(self._corr), requester=src))
+        if outcome is None:
+            outcome = RunOutcome(
+                status="killed", value=None, error="the engine stopped", seconds=0.0
+            )
+        finished = ev.InferletFinished(
+            instance=instance.id,
+            status=outcome.status,
+            result=outcome.value,
+            error=outcome.error,
+            seconds=outcome.seconds,
+        )
+        self.router.send_nowait(self.address, self.address, finished)
+
+    def statistics(self) -> InferletStatistics:
+        return self.core.statistics()

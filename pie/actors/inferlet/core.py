@@ -1,0 +1,210 @@
+"""The inferlet actor's pure core: the admission queue and each instance's lifecycle.
+
+`handle(event)` returns the events to send; instances to start and to kill are left in
+`to_start` / `to_kill` for the shell, which owns the threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+from attrs import define, field, frozen
+
+from pie.actors.inferlet.programs import ProgramError, ProgramInfo, ProgramRegistry
+from pie.events import inferlet as ev
+from pie.events.kv import Done, RequestFailed
+
+Output = tuple[str, Any]
+
+
+@frozen(kw_only=True)
+class InferletStatistics:
+    queued: int
+    running: int
+    launched: int
+    returned: int
+    failed: int
+    terminated: int
+    programs: int
+
+
+@define
+class Instance:
+    id: str
+    launcher: str
+    user: str
+    program: ProgramInfo
+    input: str
+    state: str = "queued"
+    inbox: list[ev.SessionInput] = field(factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"inferlet:{self.id}"
+
+
+class InferletCore:
+    def __init__(self, programs: ProgramRegistry, *, max_concurrent: int) -> None:
+        self.programs = programs
+        self.max_concurrent = max_concurrent
+        self.instances: dict[str, Instance] = {}
+        self.queue: collections.deque[str] = collections.deque()
+        self.to_start: list[Instance] = []
+        self.to_kill: list[tuple[str, str]] = []
+        self._ids = itertools.count(1)
+        self._counts = collections.Counter[str]()
+
+    def handle(self, event: Any) -> list[Output]:
+        match event:
+            case ev.LaunchInferlet():
+                return self._launch(event)
+            case ev.TerminateInferlet():
+                return self._terminate(event)
+            case ev.SendToInferlet():
+                return self._send(event)
+            case ev.SessionMessage() | ev.InferletOutput():
+                instance = self.instances.get(event.instance)
+                return [(instance.launcher, event)] if instance else []
+            case ev.InferletFinished():
+                return self._finished(event)
+        raise TypeError(f"inferlet actor got an unexpected event {type(event).__name__}")
+
+    def _launch(self, event: ev.LaunchInferlet) -> list[Output]:
+        try:
+            program = self.programs.resolve(event.program)
+        except ProgramError as err:
+            return [(event.requester, _failed(event.corr, "no_such_program", str(err)))]
+        instance = Instance(
+            id=f"i{next(self._ids)}",
+            launcher=event.requester,
+            user=event.user,
+            program=program.info,
+            input=event.input,
+        )
+        self.instances[instance.id] = instance
+        self.queue.append(instance.id)
+        self._counts["launched"] += 1
+        queued = self.running >= self.max_concurrent
+        launched = ev.InferletLaunched(corr=event.corr, instance=instance.id, queued=queued)
+        return [(event.requester, launched), *self._admit()]
+
+    def _admit(self) -> list[Output]:
+        out: list[Output] = []
+        while self.queue and self.running < self.max_concurrent:
+            instance = self.instances[self.queue.popleft()]
+            instance.state = "running"
+            self.to_start.append(instance)
+            started = ev.InferletStarted(instance=instance.id, program=instance.program.hash)
+            out.append((instance.launcher, started))
+            out.extend((instance.address, message) for message in instance.inbox)
+            instance.inbox.clear()
+        return out
+
+    def _terminate(self, event: ev.TerminateInferlet) -> list[Output]:
+        instance = self._own(event.instance, event.requester)
+        if isinstance(instance, RequestFailed):
+            return [(event.requester, _with_corr(instance, event.corr))]
+        out: list[Output] = [(event.requester, Done(corr=event.corr))]
+        if instance.state == "queued":
+            self.queue.remove(instance.id)
+            out.extend(self._end(instance, ev.InferletTerminated(
+                instance=instance.id, reason=f"terminated by {event.requester}", seconds=0.0
+            )))
+        elif instance.state == "running":
+            instance.state = "stopping"
+            self.to_kill.append((instance.id, f"terminated by {event.requester}"))
+        return out
+
+    def _send(self, event: ev.SendToInferlet) -> list[Output]:
+        instance = self._own(event.instance, event.requester)
+        if isinstance(instance, RequestFailed):
+            return [(event.requester, _with_corr(instance, event.corr))]
+        message = ev.SessionInput(instance=instance.id, text=event.text, data=event.data)
+        out: list[Output] = [(event.requester, Done(corr=event.corr))]
+        if instance.state == "queued":
+            instance.inbox.append(message)
+        else:
+            out.append((instance.address, message))
+        return out
+
+    def _finished(self, event: ev.InferletFinished) -> list[Output]:
+        instance = self.instances.get(event.instance)
+        if instance is None:
+            return []
+        end: ev.InferletEnd
+        if event.status == "returned":
+            end = ev.InferletReturned(
+                instance=instance.id, result=event.result or "", seconds=event.seconds
+            )
+        elif event.status == "killed":
+            end = ev.InferletTerminated(
+                instance=instance.id, reason=event.error or "killed", seconds=event.seconds
+            )
+        else:
+            end = ev.InferletFailed(
+                instance=instance.id,
+                status=event.status,
+                error=event.error or event.status,
+                seconds=event.seconds,
+            )
+        return [*self._end(instance, end), *self._admit()]
+
+    def _end(self, instance: Instance, end: ev.InferletEnd) -> list[Output]:
+        del self.instances[instance.id]
+        self._counts[type(end).__name__] += 1
+        out: list[Output] = [(instance.launcher, end)]
+        for child in list(self.instances.values()):
+            if child.launcher == instance.address and child.id in self.instances:
+                out.extend(self._stop_child(child, f"its parent {instance.id} ended"))
+        return out
+
+    def _stop_child(self, child: Instance, reason: str) -> list[Output]:
+        if child.state == "queued":
+            self.queue.remove(child.id)
+            return self._end(child, ev.InferletTerminated(
+                instance=child.id, reason=reason, seconds=0.0
+            ))
+        if child.state == "running":
+            child.state = "stopping"
+            self.to_kill.append((child.id, reason))
+        return []
+
+    def _own(self, instance_id: str, requester: str) -> Instance | RequestFailed:
+        instance = self.instances.get(instance_id)
+        if instance is None:
+            return _failed(0, "no_such_inferlet", f"no running inferlet {instance_id!r}")
+        if instance.launcher != requester:
+            return _failed(0, "not_owner", f"inferlet {instance_id} was launched by another")
+        return instance
+
+    def stop_all(self, reason: str) -> list[Output]:
+        """Engine shutdown: queued instances end now, running ones are killed."""
+        out: list[Output] = []
+        for instance in list(self.instances.values()):
+            out.extend(self._stop_child(instance, reason))
+        return out
+
+    @property
+    def running(self) -> int:
+        return sum(1 for i in self.instances.values() if i.state != "queued")
+
+    def statistics(self) -> InferletStatistics:
+        return InferletStatistics(
+            queued=len(self.queue),
+            running=self.running,
+            launched=self._counts["launched"],
+            returned=self._counts["InferletReturned"],
+            failed=self._counts["InferletFailed"],
+            terminated=self._counts["InferletTerminated"],
+            programs=len(self.programs),
+        )
+
+
+def _failed(corr: int, kind: str, message: str) -> RequestFailed:
+    return RequestFailed(corr=corr, kind=kind, message=message)
+
+
+def _with_corr(failed: RequestFailed, corr: int) -> RequestFailed:
+    return RequestFailed(corr=corr, kind=failed.kind, message=failed.message)

@@ -1,0 +1,188 @@
+"""`pie bench inferlets`: what running a program inside the engine costs around the forward
+pass. A driver whose pass takes a fixed time stands in for the model, so every microsecond
+above that time is runtime overhead: host calls, actor hops, batching and result delivery."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+
+from pie.build import SDK, build_inferlet
+from pie.config import EngineConfig, with_overrides
+from pie.drivers.loader.resolve import default_cache_dir
+from pie.drivers.synthetic import SyntheticDriver
+from pie.engine import Engine, open_engine
+
+TEXT_COMPLETION = SDK / "examples" / "text-completion"
+IDLE_SOURCE = '''"""Waits for one session message and returns it: an inferlet that sits idle."""
+
+from inferlet import session
+
+
+async def main(input):
+    return await session.receive()
+'''
+
+
+def cached_component(folder: Path) -> bytes:
+    """The folder built with `pie build`, reused while its sources and the SDK are unchanged."""
+    digest = hashlib.sha256()
+    for root in (folder, SDK / "python", SDK / "wit"):
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    output = default_cache_dir() / "inferlets" / f"{folder.name}-{digest.hexdigest()[:24]}.wasm"
+    if not output.is_file():
+        build_inferlet(folder, output)
+    return output.read_bytes()
+
+
+def _idle_component() -> bytes:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "idle"
+        folder.mkdir()
+        (folder / "main.py").write_text(IDLE_SOURCE)
+        return cached_component(folder)
+
+
+async def _completions(engine: Engine, program: str, concurrency: int, tokens: int) -> float:
+    """Wall time for `concurrency` text completions of `tokens` tokens each, run at once."""
+    request = json.dumps({"prompt": "Count with me.", "max_tokens": tokens, "temperature": 0})
+    failures: list[str] = []
+
+    async def one() -> None:
+        outcome = await engine.run_inferlet(program, request)
+        if not outcome.ok:
+            failures.append(outcome.error or outcome.status)
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(one)
+    if failures:
+        raise RuntimeError(f"a benchmark inferlet failed: {failures[0]}")
+    return time.perf_counter() - started
+
+
+async def _overhead(engine: Engine, program: str, concurrency: int, args: Any) -> dict[str, float]:
+    """Per-token wall time from the difference of a short and a long generation, so that
+    launch and prefill cancel out; the median of `args.repeats` runs."""
+    short, long = 4, 4 + args.tokens
+    await _completions(engine, program, concurrency, short)
+    per_token = []
+    for _ in range(args.repeats):
+        a = await _completions(engine, program, concurrency, short)
+        b = await _completions(engine, program, concurrency, long)
+        per_token.append((b - a) / (long - short))
+    wall = statistics.median(per_token)
+    pass_seconds = args.pass_ms / 1000
+    return {
+        "us_per_token": wall * 1e6,
+        "overhead_us_per_token": (wall - pass_seconds) * 1e6,
+        "tokens_per_second": concurrency / wall,
+        "ideal_tokens_per_second": concurrency / pass_seconds,
+    }
+
+
+async def _launch_latency(config: EngineConfig, driver_args: dict[str, Any], tokenizer: Any,
+                          wasm: bytes) -> dict[str, float]:
+    """A 1-token completion from launch to result: first on a new engine (the component comes
+    from the disk cache), then again on the same engine."""
+    request = json.dumps({"prompt": "Hi", "max_tokens": 1, "temperature": 0})
+    async with open_engine(config, driver=SyntheticDriver(**driver_args), tokenizer=tokenizer) as engine:
+        program = engine.programs.add(wasm).hash
+        started = time.perf_counter()
+        await engine.run_inferlet(program, request)
+        cold = time.perf_counter() - started
+        warm = []
+        for _ in range(10):
+            started = time.perf_counter()
+            await engine.run_inferlet(program, request)
+            warm.append(time.perf_counter() - started)
+    return {"cold_launch_ms": cold * 1e3, "warm_launch_ms": statistics.median(warm) * 1e3}
+
+
+async def _idle_memory(engine: Engine, wasm: bytes, count: int) -> float:
+    """Resident memory each inferlet adds while it waits for a message, in MB."""
+    program = engine.programs.add(wasm, name="idle").hash
+    process = psutil.Process()
+    async with engine.requester("bench-idle") as requester:
+        warm = await requester.launch(program, "")
+        await trio.sleep(0.5)
+        await warm.send(text="done")
+        await warm.outcome()
+        before = process.memory_info().rss
+        runs = [await requester.launch(program, "") for _ in range(count)]
+        await trio.sleep(1.0 + 0.05 * count)
+        after = process.memory_info().rss
+        for run in runs:
+            await run.send(text="done")
+            await run.outcome()
+    return (after - before) / count / 2**20
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from pie.drivers.loader import resolve_model
+    from pie.drivers.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(resolve_model(None))
+    text_completion = cached_component(TEXT_COMPLETION)
+    idle = _idle_component()
+    driver_args = {"pass_seconds": args.pass_ms / 1000, "vocab_size": tokenizer.vocab_size}
+    config = with_overrides(EngineConfig(), event_log={"enabled": False})
+    figures: dict[str, Any] = {"pass_ms": args.pass_ms, "tokens": args.tokens}
+
+    async def main() -> None:
+        driver = SyntheticDriver(**driver_args)
+        async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+            program = engine.programs.add(text_completion, name="text-completion").hash
+            for concurrency in args.concurrency:
+                before = engine.statistics().scheduler
+                row = await _overhead(engine, program, concurrency, args)
+                after = engine.statistics().scheduler
+                row["mean_batch_size"] = (after.requests - before.requests) / max(
+                    1, after.batches - before.batches
+                )
+                figures[f"concurrency_{concurrency}"] = row
+            figures["idle_rss_mb_per_inferlet"] = await _idle_memory(engine, idle, args.idle)
+        figures.update(await _launch_latency(config, driver_args, tokenizer, text_completion))
+
+    trio.run(main)
+    return figures
+
+
+def run_bench_inferlets(args: argparse.Namespace) -> int:
+    figures = measure(args)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    print(f"fixed forward pass: {args.pass_ms} ms; text-completion inferlet, greedy")
+    print(f"{'concurrent':>10}{'us/token':>12}{'overhead us':>13}{'tokens/s':>11}{'ideal':>9}"
+          f"{'batch':>7}")
+    for concurrency in args.concurrency:
+        row = figures[f"concurrency_{concurrency}"]
+        print(
+            f"{concurrency:>10}{row['us_per_token']:>12.0f}{row['overhead_us_per_token']:>13.0f}"
+            f"{row['tokens_per_second']:>11.1f}{row['ideal_tokens_per_second']:>9.0f}"
+            f"{row['mean_batch_size']:>7.1f}"
+        )
+    print(f"cold launch (component from the disk cache) to result: {figures['cold_launch_ms']:.1f} ms")
+    print(f"warm launch to result: {figures['warm_launch_ms']:.1f} ms")
+    print(f"resident memory per idle inferlet: {figures['idle_rss_mb_per_inferlet']:.1f} MB")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per measured generation")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--idle", type=int, default=16, help="idle inferlets for the memory figure")

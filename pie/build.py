@@ -1,0 +1,105 @@
+"""`pie build`: checks an inferlet folder and turns it into a WebAssembly component with
+componentize-py, against sdk/wit and the guest SDK in sdk/python."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pie
+
+SDK = Path(pie.__file__).resolve().parents[1] / "sdk"
+WIT_DIR = SDK / "wit"
+GUEST_SDK = SDK / "python"
+WORLD = "inferlet"
+ENTRY_MODULE = "inferlet._entry"
+
+
+class BuildError(Exception):
+    """The folder is not a buildable inferlet, or componentize-py failed; the message says why."""
+
+
+def build_inferlet(folder: Path, output: Path) -> None:
+    """Builds `folder` (which holds main.py with `async def main(input)`) into `output`."""
+    folder = Path(folder)
+    check_inferlet(folder)
+    output = Path(output).resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Writing next to the output and renaming keeps a failed build from leaving a partial file.
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".pie-build-") as scratch:
+        partial = Path(scratch) / output.name
+        _componentize(folder.resolve(), partial)
+        os.replace(partial, output)
+
+
+def check_inferlet(folder: Path) -> None:
+    """The checks that need no compiler: the folder, main.py, syntax, and `async def main`."""
+    if not folder.is_dir():
+        raise BuildError(f"{folder}: no such folder")
+    main = folder / "main.py"
+    if not main.is_file():
+        raise BuildError(f"{folder}: no main.py (an inferlet is a folder with main.py in it)")
+    trees = {path: _parse(path) for path in sorted(folder.rglob("*.py"))}
+    _check_main(main, trees[main])
+
+
+def _parse(path: Path) -> ast.Module:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except SyntaxError as err:
+        where = f"{err.filename}:{err.lineno}" + (f":{err.offset}" if err.offset else "")
+        raise BuildError(f"{where}: syntax error: {err.msg}") from None
+    except UnicodeDecodeError as err:
+        raise BuildError(f"{path}: not UTF-8 text ({err.reason})") from None
+
+
+def _check_main(path: Path, tree: ast.Module) -> None:
+    found = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "main"
+    ]
+    if not found:
+        raise BuildError(f"{path}: no `main` function (write `async def main(input): ...`)")
+    node = found[-1]
+    if not isinstance(node, ast.AsyncFunctionDef):
+        raise BuildError(
+            f"{path}:{node.lineno}: `main` must be `async def main(input)`, not a plain `def`"
+        )
+
+
+def _componentize(folder: Path, output: Path) -> None:
+    command = [
+        *_componentize_py(),
+        "-d",
+        str(WIT_DIR),
+        "-w",
+        WORLD,
+        "componentize",
+        ENTRY_MODULE,
+        "-p",
+        str(folder),
+        "-p",
+        str(GUEST_SDK),
+        "-o",
+        str(output),
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=folder)
+    except OSError as err:
+        raise BuildError(f"cannot run componentize-py: {err}") from None
+    if done.returncode != 0 or not output.is_file():
+        detail = (done.stderr or done.stdout).strip()
+        raise BuildError(f"componentize-py failed for {folder}:\n{detail}")
+
+
+# The package has no `__main__`, so call its console entry point from this Python.
+_LAUNCHER = "import sys; from componentize_py import script; sys.exit(script())"
+
+
+def _componentize_py() -> list[str]:
+    return [sys.executable, "-c", _LAUNCHER]

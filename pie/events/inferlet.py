@@ -1,0 +1,129 @@
+"""Commands to the inferlet actor and the lifecycle of an inferlet instance.
+
+Lifecycle events go to the address that launched the instance: `InferletStarted`, then any
+number of `InferletOutput` / `SessionMessage`, then exactly one of `InferletReturned`,
+`InferletFailed` or `InferletTerminated`.
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+
+@frozen(kw_only=True)
+class LaunchInferlet:
+    """Run `program` (a name, name@version or content hash) with `input`.
+
+    Replied to with `InferletLaunched` at once; the instance waits in the admission queue
+    while `max_concurrent` instances run.
+    """
+
+    corr: int
+    requester: str
+    program: str
+    input: str
+    user: str = "local"
+
+
+@frozen(kw_only=True)
+class InferletLaunched:
+    corr: int
+    instance: str
+    queued: bool = False
+    """True when the instance waits for a free slot before it starts."""
+
+
+@frozen(kw_only=True)
+class TerminateInferlet:
+    """Stop a running or queued instance launched by `requester` (or by its user)."""
+
+    corr: int
+    requester: str
+    instance: str
+
+
+@frozen(kw_only=True)
+class SendToInferlet:
+    """A message from the launching client for the instance's `session.receive`."""
+
+    corr: int
+    requester: str
+    instance: str
+    text: str | None = None
+    data: bytes | None = None
+
+
+@frozen(kw_only=True)
+class SessionInput:
+    """A client message delivered to the instance (from the inferlet actor)."""
+
+    instance: str
+    text: str | None = None
+    data: bytes | None = None
+
+
+@frozen(kw_only=True)
+class InferletStarted:
+    instance: str
+    program: str
+
+
+@frozen(kw_only=True)
+class InferletOutput:
+    """A chunk the guest wrote to its stdout or stderr."""
+
+    instance: str
+    stream: str
+    text: str
+
+
+@frozen(kw_only=True)
+class SessionMessage:
+    """What the guest sent with `session.send`: text or bytes."""
+
+    instance: str
+    text: str | None = None
+    data: bytes | None = None
+
+
+@frozen(kw_only=True)
+class InferletReturned:
+    instance: str
+    result: str
+    seconds: float
+
+
+@frozen(kw_only=True)
+class InferletFailed:
+    """The guest returned an error, trapped, ran out of its budget or its memory cap.
+
+    `status` is one of failed, trapped, timeout, memory.
+    """
+
+    instance: str
+    status: str
+    error: str
+    seconds: float
+
+
+@frozen(kw_only=True)
+class InferletTerminated:
+    """Stopped by `TerminateInferlet`, by its parent ending, or by the engine shutting down."""
+
+    instance: str
+    reason: str
+    seconds: float
+
+
+@frozen(kw_only=True)
+class InferletFinished:
+    """The inferlet actor's own record that an instance's thread has ended (its outcome)."""
+
+    instance: str
+    status: str
+    result: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+InferletEnd = InferletReturned | InferletFailed | InferletTerminated

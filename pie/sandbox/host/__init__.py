@@ -1,0 +1,46 @@
+"""The host side of the inferlet API (sdk/wit/inferlet.wit): one module per interface.
+
+Host functions find their instance through a thread-local (`state.current`), because every
+instance runs on a thread of its own; so one linker serves every instance.
+"""
+
+from __future__ import annotations
+
+from wasmtime.component import Linker
+
+from pie.sandbox.host import context, forward, futures, messaging, model, runtime, session
+from pie.sandbox.host.state import (
+    Bridge,
+    HostFailure,
+    InstanceState,
+    ModelView,
+    bind,
+    current,
+)
+
+TYPES_INTERFACE = "pie:inferlet/types@0.1.0"
+INTERFACES = (model, context, forward, futures, session, messaging, runtime)
+
+
+def add_inferlet_api(linker: Linker) -> None:
+    """Defines every interface of the `inferlet` world on `linker`."""
+    root = linker.root()
+    try:
+        # Only types live in `types`; components still import it as an instance.
+        root.add_instance(TYPES_INTERFACE).close()
+        for module in INTERFACES:
+            with root.add_instance(module.INTERFACE) as instance:
+                module.register(instance)
+    finally:
+        root.close()
+
+
+__all__ = [
+    "Bridge",
+    "HostFailure",
+    "InstanceState",
+    "ModelView",
+    "add_inferlet_api",
+    "bind",
+    "current",
+]

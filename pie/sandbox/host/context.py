@@ -1,0 +1,91 @@
+"""The `context` interface: contexts and snapshots, each call a command to the kv actor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wasmtime.component import LinkerInstance
+
+from pie.events import kv as ev
+from pie.sandbox.host.model import model_view
+from pie.sandbox.host.state import current, host_call
+from pie.sandbox.wasm import add_host_func, record
+
+INTERFACE = "pie:inferlet/context@0.1.0"
+
+
+def _kv(make: Any, **fields: Any) -> Any:
+    state = current()
+    return state.request("kv", make(corr=state.next_corr(), requester=state.address, **fields))
+
+
+def create(model: int) -> int:
+    model_view(model)
+    context: int = _kv(ev.CreateContext).context
+    return context
+
+
+def open_(model: int, name: str) -> int:
+    model_view(model)
+    context: int = _kv(ev.OpenContext, name=name, user=current().user).context
+    return context
+
+
+def take(model: int, name: str) -> int:
+    model_view(model)
+    context: int = _kv(ev.OpenContext, name=name, user=current().user, take=True).context
+    return context
+
+
+def delete(model: int, name: str) -> None:
+    model_view(model)
+    _kv(ev.DeleteSnapshot, name=name, user=current().user)
+
+
+def fork(ctx: int) -> int:
+    context: int = _kv(ev.ForkContext, context=ctx).context
+    return context
+
+
+def save(ctx: int, name: str) -> None:
+    _kv(ev.SaveContext, context=ctx, name=name, user=current().user)
+
+
+def destroy(ctx: int) -> None:
+    _kv(ev.DestroyContext, context=ctx)
+
+
+def truncate(ctx: int, count: int) -> None:
+    _kv(ev.TruncateContext, context=ctx, count=count)
+
+
+def reserve(ctx: int, count: int) -> None:
+    _kv(ev.ReserveTokens, context=ctx, count=count)
+
+
+def mask_pages(ctx: int, pages: list[int], masked: bool) -> None:
+    _kv(ev.MaskPages, context=ctx, pages=tuple(pages), masked=masked)
+
+
+def info(ctx: int) -> Any:
+    described: ev.ContextInfo = _kv(ev.DescribeContext, context=ctx)
+    positions = described.positions
+    return record(
+        tokens=len(described.tokens),
+        pages=described.pages + described.reserved_pages,
+        reserved_pages=described.reserved_pages,
+        next_position=positions[-1] + 1 if positions else 0,
+        masked_pages=list(described.masked_pages),
+    )
+
+
+def tokens(ctx: int) -> list[int]:
+    described: ev.ContextInfo = _kv(ev.DescribeContext, context=ctx)
+    return list(described.tokens)
+
+
+def register(instance: LinkerInstance) -> None:
+    add_host_func(instance, "open", host_call(open_))
+    for fn in (create, take, delete, fork, save, destroy, truncate, reserve, mask_pages, info):
+        add_host_func(instance, fn.__name__.replace("_", "-"), host_call(fn))
+    add_host_func(instance, "tokens", host_call(tokens))

@@ -1,0 +1,102 @@
+"""The `forward` interface: a pass becomes one SubmitForward to the kv actor; its outputs come
+back through a pollable. This is the per-token path, so it does as little as it can."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wasmtime.component import LinkerInstance, Variant
+
+from pie.events import kv as ev
+from pie.events import sampling as s
+from pie.sandbox.host.state import HostFailure, current, host_call
+from pie.sandbox.wasm import add_host_func, record
+
+INTERFACE = "pie:inferlet/forward@0.1.0"
+
+
+def _get(value: Any, name: str) -> Any:
+    return getattr(value, name)
+
+
+def _seed(params: Any) -> int | None:
+    seed: int | None = params.seed
+    return seed
+
+
+def _slot_op(op: Any) -> s.SlotOp:
+    tag, p = (op.tag, op.payload) if isinstance(op, Variant) else (op, None)
+    match tag:
+        case "argmax":
+            return s.Argmax()
+        case "multinomial":
+            return s.Multinomial(temperature=p.temperature, seed=_seed(p))
+        case "top-k":
+            return s.TopK(k=p.k, temperature=p.temperature, seed=_seed(p))
+        case "top-p":
+            return s.TopP(p=p.p, temperature=p.temperature, seed=_seed(p))
+        case "min-p":
+            return s.MinP(p=p.p, temperature=p.temperature, seed=_seed(p))
+        case "top-k-top-p":
+            return s.TopKTopP(k=p.k, p=p.p, temperature=p.temperature, seed=_seed(p))
+        case "distribution":
+            return s.Distribution(k=p.k, temperature=p.temperature)
+        case "raw-logits":
+            return s.RawLogits()
+        case "logprobs":
+            return s.LogProbs(tokens=tuple(p))
+        case "entropy":
+            return s.Entropy()
+    raise HostFailure("invalid", f"unknown slot op {tag!r}")
+
+
+def _slots(slots: list[Any]) -> tuple[s.SamplingSlot, ...]:
+    try:
+        return tuple(s.SamplingSlot(index=slot.index, op=_slot_op(slot.op)) for slot in slots)
+    except (ValueError, TypeError) as exc:
+        raise HostFailure("invalid", str(exc)) from exc
+
+
+def execute(pass_: Any) -> int:
+    state = current()
+    positions = _get(pass_, "positions")
+    masks = _get(pass_, "attention-masks")
+    logit_mask = _get(pass_, "logit-mask")
+    event = ev.SubmitForward(
+        corr=state.next_corr(),
+        requester=state.address,
+        context=pass_.context,
+        tokens=tuple(pass_.tokens),
+        positions=None if positions is None else tuple(positions),
+        attention_masks=None if masks is None else tuple(tuple(m) for m in masks),
+        logit_mask=None if logit_mask is None else tuple(logit_mask),
+        slots=_slots(pass_.slots),
+    )
+    return state.submit("kv", event, "forward")
+
+
+def _output(out: s.SlotOutput) -> Variant:
+    match out:
+        case s.TokenOutput():
+            return Variant("token", out.token)
+        case s.DistributionOutput():
+            return Variant(
+                "distribution", record(tokens=list(out.tokens), probs=list(out.probs))
+            )
+        case s.LogitsOutput():
+            return Variant("logits", list(out.values))
+        case s.LogProbsOutput():
+            return Variant("logprobs", list(out.values))
+        case s.EntropyOutput():
+            return Variant("entropy", out.value)
+    raise AssertionError(f"unexpected output {out!r}")
+
+
+def outputs(pending: int) -> list[Variant]:
+    completed = current().take(pending, "forward")
+    return [_output(out) for out in completed.outputs]
+
+
+def register(instance: LinkerInstance) -> None:
+    add_host_func(instance, "execute", host_call(execute))
+    add_host_func(instance, "outputs", host_call(outputs))

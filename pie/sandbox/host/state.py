@@ -1,0 +1,382 @@
+"""One inferlet instance as its host functions see it: handle tables, pollables, and the
+bridge to the engine. Guest-thread methods block on a condition; `deliver` runs on the Trio
+thread and never blocks."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from attrs import define, field
+
+from pie.events import bus as bus_ev
+from pie.events import inferlet as inf_ev
+from pie.events.kv import RequestFailed
+from pie.sandbox.runtime import GuestStopped, KillSwitch
+
+
+class HostFailure(Exception):
+    """A host call that fails; becomes `error { kind, message }` for the guest."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind.replace("_", "-")
+        self.message = message
+
+
+class Bridge(Protocol):
+    def post(self, dst: str, event: Any) -> None:
+        """Hands `event` to the engine from the guest thread, without waiting."""
+
+
+@define
+class ModelView:
+    """What the host needs of a model: its tokenizer and limits."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    page_size: int
+    max_batch_tokens: int
+    lock: threading.Lock = field(factory=threading.Lock)
+    """HF fast tokenizers are not safe to call from several threads at once."""
+
+
+@define
+class Pending:
+    """A pollable: filled in by `deliver` (or at once), taken once by the guest."""
+
+    kind: str
+    done: bool = False
+    value: Any = None
+
+
+@define
+class Subscription:
+    topic: str
+    corr: int
+    messages: collections.deque[str] = field(factory=collections.deque)
+    waiting: collections.deque[int] = field(factory=collections.deque)
+    dropped: int = 0
+
+
+@define
+class Child:
+    instance: str | None = None
+    end: Any = None
+    waiting: list[int] = field(factory=list)
+
+
+class InstanceState:
+    def __init__(
+        self,
+        *,
+        instance: str,
+        address: str,
+        user: str,
+        bridge: Bridge,
+        models: list[ModelView],
+        kill: KillSwitch,
+        corr: Iterator[int],
+        budget_seconds: float,
+        version: str,
+        subscription_buffer: int = 1024,
+    ) -> None:
+        self.instance = instance
+        self.address = address
+        self.user = user
+        self.bridge = bridge
+        self.models = models
+        self.kill = kill
+        self.version = version
+        self.deadline = time.monotonic() + budget_seconds
+        self.subscription_buffer = subscription_buffer
+        self._corr = corr
+        self._cond = threading.Condition()
+        self._next_handle = 1
+        self.pollables: dict[int, Pending] = {}
+        self._by_corr: dict[int, int] = {}
+        self.subscriptions: dict[int, Subscription] = {}
+        self._topic_subs: dict[int, int] = {}
+        self.children: dict[int, Child] = {}
+        self._child_by_corr: dict[int, int] = {}
+        self._child_by_instance: dict[str, int] = {}
+        self._session: collections.deque[inf_ev.SessionInput] = collections.deque()
+        self._session_waiting: collections.deque[int] = collections.deque()
+        kill.add_waker(self._wake)
+
+    # -- guest thread --------------------------------------------------------------------
+
+    def next_corr(self) -> int:
+        return next(self._corr)
+
+    def new_handle(self) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        return handle
+
+    def submit(self, dst: str, event: Any, kind: str) -> int:
+        """Sends a command whose reply fills a new pollable; returns the pollable."""
+        handle = self.new_handle()
+        with self._cond:
+            self.pollables[handle] = Pending(kind)
+            self._by_corr[event.corr] = handle
+        self.bridge.post(dst, event)
+        return handle
+
+    def request(self, dst: str, event: Any) -> Any:
+        """Sends a command and blocks for its reply; a refusal raises HostFailure."""
+        handle = self.submit(dst, event, "reply")
+        self.wait_any([handle])
+        return self.take(handle, "reply")
+
+    def wait_any(self, handles: list[int]) -> list[int]:
+        """Blocks until one of `handles` is done; the indices of those done."""
+        if not handles:
+            raise HostFailure("invalid", "poll needs at least one pollable")
+        with self._cond:
+            pending = [self._pending(h) for h in handles]
+            while True:
+                ready = [i for i, p in enumerate(pending) if p.done]
+                if ready:
+                    return ready
+                self._check_alive()
+                self._cond.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+
+    def is_ready(self, handle: int) -> bool:
+        with self._cond:
+            return self._pending(handle).done
+
+    def take(self, handle: int, kind: str) -> Any:
+        """The value of a done pollable of `kind`, which is then forgotten."""
+        with self._cond:
+            pending = self._pending(handle)
+            if pending.kind != kind:
+                raise HostFailure("invalid", f"pollable {handle} is not a {kind} pollable")
+            if not pending.done:
+                raise HostFailure("not-ready", f"pollable {handle} is not ready")
+            del self.pollables[handle]
+        value = pending.value
+        if isinstance(value, RequestFailed):
+            raise HostFailure(value.kind, value.message)
+        return value
+
+    def discard(self, handle: int) -> None:
+        with self._cond:
+            self.pollables.pop(handle, None)
+
+    def resolved(self, kind: str, value: Any) -> int:
+        """A pollable that is done already."""
+        handle = self.new_handle()
+        with self._cond:
+            self.pollables[handle] = Pending(kind, True, value)
+        return handle
+
+    # -- sessions, subscriptions and children (guest thread) ------------------------------
+
+    def session_receive(self) -> int:
+        handle = self.new_handle()
+        with self._cond:
+            self.pollables[handle] = Pending("session")
+            self._session_waiting.append(handle)
+            self._feed_session()
+        return handle
+
+    def subscribe(self, topic: str) -> int:
+        event = bus_ev.Subscribe(corr=self.next_corr(), requester=self.address, topic=topic)
+        sub = self.new_handle()
+        with self._cond:
+            for existing in self.subscriptions.values():
+                if existing.topic == topic:
+                    raise HostFailure("invalid", f"already subscribed to {topic!r}")
+            self.subscriptions[sub] = Subscription(topic, event.corr)
+            self._topic_subs[event.corr] = sub
+        try:
+            self.request("bus", event)
+        except HostFailure:
+            with self._cond:
+                del self.subscriptions[sub]
+            raise
+        return sub
+
+    def next_message(self, sub: int) -> int:
+        handle = self.new_handle()
+        with self._cond:
+            subscription = self._subscription(sub)
+            self.pollables[handle] = Pending("message")
+            subscription.waiting.append(handle)
+            self._feed_subscription(subscription)
+        return handle
+
+    def unsubscribe(self, sub: int) -> str:
+        with self._cond:
+            subscription = self._subscription(sub)
+            del self.subscriptions[sub]
+            self._topic_subs.pop(subscription.corr, None)
+            for handle in subscription.waiting:
+                self._fill(handle, RequestFailed(corr=0, kind="closed", message="unsubscribed"))
+        return subscription.topic
+
+    def launch_child(self, event: inf_ev.LaunchInferlet) -> int:
+        child = self.new_handle()
+        with self._cond:
+            self.children[child] = Child()
+            self._child_by_corr[event.corr] = child
+        try:
+            reply = self.request("inferlets", event)
+        except HostFailure:
+            with self._cond:
+                del self.children[child]
+            raise
+        assert self.children[child].instance == reply.instance
+        return child
+
+    def wait_child(self, child: int) -> int:
+        handle = self.new_handle()
+        with self._cond:
+            entry = self._child(child)
+            self.pollables[handle] = Pending("child")
+            entry.waiting.append(handle)
+            self._settle_child(entry)
+        return handle
+
+    def child_instance(self, child: int) -> str:
+        with self._cond:
+            entry = self._child(child)
+            if entry.instance is None:
+                raise HostFailure("invalid", f"child {child} has not started")
+            return entry.instance
+
+    # -- Trio thread ---------------------------------------------------------------------
+
+    def deliver(self, event: Any) -> None:
+        with self._cond:
+            match event:
+                case bus_ev.TopicMessage():
+                    self._topic_message(event)
+                case inf_ev.SessionInput():
+                    self._session.append(event)
+                    self._feed_session()
+                case inf_ev.InferletReturned() | inf_ev.InferletFailed() | inf_ev.InferletTerminated():
+                    self._child_ended(event)
+                case inf_ev.InferletStarted() | inf_ev.InferletOutput() | inf_ev.SessionMessage():
+                    pass
+                case inf_ev.InferletLaunched():
+                    # Registered here, not on the guest thread, so that a child's end can
+                    # never arrive before the parent knows the child's instance id.
+                    child = self._child_by_corr.pop(event.corr, None)
+                    if child is not None:
+                        self.children[child].instance = event.instance
+                        self._child_by_instance[event.instance] = child
+                    self._fill(self._by_corr.pop(event.corr, -1), event)
+                case _:
+                    handle = self._by_corr.pop(getattr(event, "corr", -1), None)
+                    if handle is not None:
+                        self._fill(handle, event)
+
+    # -- internals (callers hold the condition) -------------------------------------------
+
+    def _fill(self, handle: int, value: Any) -> None:
+        pending = self.pollables.get(handle)
+        if pending is not None:
+            pending.done = True
+            pending.value = value
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _check_alive(self) -> None:
+        if self.kill.killed:
+            raise GuestStopped("killed", f"inferlet {self.instance} was stopped: {self.kill.reason}")
+        if time.monotonic() >= self.deadline:
+            raise GuestStopped("timeout", f"inferlet {self.instance} ran out of its time budget")
+
+    def _pending(self, handle: int) -> Pending:
+        pending = self.pollables.get(handle)
+        if pending is None:
+            raise HostFailure("no-such-handle", f"no pollable {handle}")
+        return pending
+
+    def _subscription(self, sub: int) -> Subscription:
+        subscription = self.subscriptions.get(sub)
+        if subscription is None:
+            raise HostFailure("no-such-handle", f"no subscription {sub}")
+        return subscription
+
+    def _child(self, child: int) -> Child:
+        entry = self.children.get(child)
+        if entry is None:
+            raise HostFailure("no-such-handle", f"no child {child}")
+        return entry
+
+    def _feed_session(self) -> None:
+        while self._session and self._session_waiting:
+            self._fill(self._session_waiting.popleft(), self._session.popleft())
+
+    def _topic_message(self, event: bus_ev.TopicMessage) -> None:
+        sub = self._topic_subs.get(event.corr)
+        if sub is None:
+            return
+        subscription = self.subscriptions[sub]
+        if len(subscription.messages) >= self.subscription_buffer:
+            subscription.dropped += 1
+            return
+        subscription.messages.append(event.message)
+        self._feed_subscription(subscription)
+
+    def _feed_subscription(self, subscription: Subscription) -> None:
+        while subscription.messages and subscription.waiting:
+            self._fill(subscription.waiting.popleft(), subscription.messages.popleft())
+        # Reported once the messages kept before the drop have been read.
+        if subscription.dropped and subscription.waiting:
+            message = f"{subscription.dropped} messages on {subscription.topic!r} were dropped"
+            overrun = RequestFailed(corr=0, kind="overrun", message=message)
+            self._fill(subscription.waiting.popleft(), overrun)
+            subscription.dropped = 0
+
+    def _child_ended(self, event: inf_ev.InferletEnd) -> None:
+        child = self._child_by_instance.get(event.instance)
+        if child is not None:
+            self.children[child].end = event
+            self._settle_child(self.children[child])
+
+    def _settle_child(self, entry: Child) -> None:
+        if entry.end is None:
+            return
+        for handle in entry.waiting:
+            self._fill(handle, entry.end)
+        entry.waiting.clear()
+
+
+_current = threading.local()
+
+
+def current() -> InstanceState:
+    """The instance whose guest runs on this thread."""
+    state: InstanceState | None = getattr(_current, "state", None)
+    if state is None:
+        raise RuntimeError("no inferlet instance runs on this thread")
+    return state
+
+
+def bind(state: InstanceState | None) -> None:
+    _current.state = state
+
+
+def host_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a host function returning `result<T, error>`: HostFailure becomes the error."""
+    from pie.sandbox.wasm import Err, Ok, record
+
+    def call(*args: Any) -> Any:
+        try:
+            return Ok(fn(*args))
+        except HostFailure as failure:
+            return Err(record(kind=failure.kind, message=failure.message))
+
+    call.__name__ = fn.__name__
+    return call

@@ -1,0 +1,34 @@
+"""Completes one prompt: a user message (after an optional system message) in the model's chat
+template, then generation until a stop token or `max_tokens`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inferlet import Context, Sampler, get_model
+
+
+async def main(input: dict[str, Any] | str) -> str:
+    request = {"prompt": input} if isinstance(input, str) else input
+    model = get_model()
+    with Context(model) as ctx:
+        if request.get("system"):
+            ctx.system(request["system"])
+        ctx.user(request["prompt"]).cue()
+        generation = ctx.generate(
+            choose_sampler(request), max_tokens=int(request.get("max_tokens", 128))
+        )
+        return await generation.collect_text()
+
+
+def choose_sampler(request: dict[str, Any]) -> Sampler:
+    """Temperature 0 (the default) is greedy; otherwise nucleus when top_p < 1 is given, else
+    multinomial; `seed` makes either reproducible."""
+    temperature = float(request.get("temperature", 0.0))
+    seed = request.get("seed")
+    if temperature == 0:
+        return Sampler.argmax()
+    top_p = request.get("top_p")
+    if top_p is not None and float(top_p) < 1.0:
+        return Sampler.top_p(float(top_p), temperature=temperature, seed=seed)
+    return Sampler.multinomial(temperature=temperature, seed=seed)

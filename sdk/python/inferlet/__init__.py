@@ -1,0 +1,29 @@
+"""The pie inferlet SDK: models, contexts, forward passes and generation for Python inferlets.
+Write `async def main(input)` in main.py and build it with `pie build`."""
+
+from __future__ import annotations
+
+from inferlet import messaging, runtime, session
+from inferlet.context import Context
+from inferlet.errors import HostError
+from inferlet.forward import Forward, runs
+from inferlet.generation import Generation
+from inferlet.model import Model, get_model, models
+from inferlet.sampling import Distribution, Probe, Sampler
+
+__all__ = [
+    "Context",
+    "Distribution",
+    "Forward",
+    "Generation",
+    "HostError",
+    "Model",
+    "Probe",
+    "Sampler",
+    "get_model",
+    "messaging",
+    "models",
+    "runs",
+    "runtime",
+    "session",
+]

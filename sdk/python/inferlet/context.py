@@ -1,0 +1,259 @@
+"""`Context`: a token sequence and its KV cache, with chat helpers and queued (pending) input.
+
+Chat calls and `fill` only queue text; it is encoded as one piece and prefilled by `flush()` or
+by the first pass of `generate()`, so a whole chat prompt tokenizes exactly like its render.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from wit_world.imports import context as _ctx
+from wit_world.imports import forward as fw
+
+from inferlet.chat import ChatState
+from inferlet.errors import call
+from inferlet.forward import Forward, run_pass
+from inferlet.generation import Generation
+from inferlet.model import Message, Model
+from inferlet.sampling import Sampler
+
+
+class Context:
+    """A new empty context on `model`; `Context.open/take` start from a saved snapshot."""
+
+    def __init__(self, model: Model, *, _handle: int | None = None) -> None:
+        self.model = model
+        self.handle = call(_ctx.create, model.handle) if _handle is None else _handle
+        self.chat = ChatState(model)
+        self._pending: list[str | list[int]] = []
+        self._last_token: int | None = None
+        self._busy = False
+        self._destroyed = False
+
+    @classmethod
+    def open(cls, model: Model, name: str, *, messages: Iterable[Message] = ()) -> Context:
+        """A copy of snapshot `name` (which stays). `messages` says which chat messages the
+        snapshot holds, so later chat calls queue only what they add."""
+        ctx = cls(model, _handle=call(_ctx.open, model.handle, name))
+        ctx.chat.assume(messages)
+        return ctx
+
+    @classmethod
+    def take(cls, model: Model, name: str, *, messages: Iterable[Message] = ()) -> Context:
+        """Like `open`, but the snapshot is removed and its pages move to the new context."""
+        ctx = cls(model, _handle=call(_ctx.take, model.handle, name))
+        ctx.chat.assume(messages)
+        return ctx
+
+    @staticmethod
+    def delete(model: Model, name: str) -> None:
+        """Removes snapshot `name`."""
+        call(_ctx.delete, model.handle, name)
+
+    # Queued input ---------------------------------------------------------------------------
+
+    def system(self, text: str) -> Context:
+        """Queues a system message as the model's chat template renders it."""
+        return self.fill(self.chat.add("system", text))
+
+    def user(self, text: str) -> Context:
+        return self.fill(self.chat.add("user", text))
+
+    def assistant(self, text: str) -> Context:
+        return self.fill(self.chat.add("assistant", text))
+
+    def cue(self) -> Context:
+        """Queues the prompt that starts the assistant's turn."""
+        return self.fill(self.chat.cue())
+
+    def fill(self, text: str) -> Context:
+        """Queues raw text (no chat template)."""
+        if text:
+            if self._pending and isinstance(self._pending[-1], str):
+                self._pending[-1] += text
+            else:
+                self._pending.append(text)
+        return self
+
+    def fill_tokens(self, tokens: Sequence[int]) -> Context:
+        """Queues token ids as they are."""
+        if tokens:
+            self._pending.append(list(tokens))
+        return self
+
+    @property
+    def pending(self) -> bool:
+        """Whether input is queued that no pass has written yet."""
+        return bool(self._pending)
+
+    def take_pending(self) -> list[int]:
+        """Encodes the queued input (each run of text in one piece) and clears the queue."""
+        tokens: list[int] = []
+        for piece in self._pending:
+            tokens.extend(self.model.encode(piece) if isinstance(piece, str) else piece)
+        self._pending = []
+        return tokens
+
+    async def flush(self) -> None:
+        """Prefills the queued input in one pass (no slots)."""
+        tokens = self.take_pending()
+        if tokens:
+            await self._run_own(_pass(self.handle, tokens, []))
+
+    # Passes ---------------------------------------------------------------------------------
+
+    def forward(self) -> Forward:
+        """A raw forward pass over this context (queued input must be flushed first)."""
+        self._check_usable()
+        if self._pending:
+            raise RuntimeError("the context has queued input: await ctx.flush() before forward()")
+        return Forward(self)
+
+    def generate(
+        self,
+        sampler: Sampler | None = None,
+        *,
+        max_tokens: int = 256,
+        stop_tokens: Iterable[int] | None = None,
+        stop_strings: Iterable[str] = (),
+    ) -> Generation:
+        """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
+        stop tokens) or once the text contains one of `stop_strings`. Nothing runs until the
+        result is awaited or iterated."""
+        return Generation(
+            self,
+            sampler or Sampler.argmax(),
+            max_tokens=max_tokens,
+            stop_tokens=self.model.stop_tokens if stop_tokens is None else stop_tokens,
+            stop_strings=stop_strings,
+        )
+
+    async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
+        self.acquire()
+        try:
+            outputs = await run_pass(pass_)
+        except BaseException:
+            self.release(None)
+            raise
+        self.release(pass_.tokens[-1])
+        return outputs
+
+    def acquire(self) -> None:
+        """Marks the context busy for one pass or generation; two at once would interleave."""
+        self._check_usable()
+        if self._busy:
+            raise RuntimeError("the context is busy with another pass or generation")
+        self._busy = True
+
+    def release(self, last_token: int | None) -> None:
+        """Ends a pass or generation; `last_token` is the last token written (None: unknown)."""
+        self._busy = False
+        self._last_token = last_token
+
+    def queue_generated(self, final: int, text: str, *, stopped_on_token: bool) -> None:
+        """Queues the last sampled token (no pass has written it) and, after a chat cue, the text
+        the template uses to close the assistant's turn, replacing a stop token it spells out."""
+        tail = self.chat.finish_turn(text)
+        if tail is None:
+            self.fill_tokens([final])
+            return
+        if stopped_on_token:
+            stop_text = self.model.token_texts([final])[0]
+            if not tail.startswith(stop_text):
+                self.fill(tail)
+                return
+            tail = tail[len(stop_text) :]
+        self.fill_tokens([final]).fill(tail)
+
+    def feed_for_generation(self) -> list[int]:
+        """The tokens the first generation pass feeds: the queued input, or else the last written
+        token again (after dropping it), because a pass needs an input to read logits at."""
+        tokens = self.take_pending()
+        if tokens:
+            return tokens
+        last = self._last_token
+        if last is None:
+            written = self.tokens
+            if not written:
+                raise ValueError("nothing to generate from: the context is empty and has no input")
+            last = written[-1]
+        call(_ctx.truncate, self.handle, 1)
+        return [last]
+
+    def reserve(self, count: int) -> None:
+        """Allocates pages ahead so `count` more tokens fit without allocating."""
+        call(_ctx.reserve, self.handle, count)
+
+    # KV state -------------------------------------------------------------------------------
+
+    def fork(self) -> Context:
+        """An O(1) copy sharing this context's pages, with the same queued input and chat."""
+        self._check_usable()
+        child = Context(self.model, _handle=call(_ctx.fork, self.handle))
+        child._pending = [p if isinstance(p, str) else list(p) for p in self._pending]
+        child._last_token = self._last_token
+        child.chat = self.chat.copy()
+        return child
+
+    def save(self, name: str) -> None:
+        """Snapshots the written tokens under `name`; the snapshot outlives this inferlet."""
+        self._check_usable()
+        if self._pending:
+            raise RuntimeError("the context has queued input: await ctx.flush() before save()")
+        call(_ctx.save, self.handle, name)
+
+    def truncate(self, count: int) -> None:
+        """Drops the last `count` written tokens."""
+        call(_ctx.truncate, self.handle, count)
+        self._last_token = None
+
+    def mask_pages(self, pages: Iterable[int], masked: bool = True) -> None:
+        """Hides (or, with masked=False, shows again) whole KV pages from attention."""
+        call(_ctx.mask_pages, self.handle, list(pages), masked)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids written so far (queued input not included)."""
+        return call(_ctx.tokens, self.handle)
+
+    def info(self) -> _ctx.ContextInfo:
+        """Tokens, pages, reserved pages, next position and masked pages."""
+        return call(_ctx.info, self.handle)
+
+    def destroy(self) -> None:
+        """Releases the context and its pages (also done for every context when main ends)."""
+        if not self._destroyed:
+            self._destroyed = True
+            call(_ctx.destroy, self.handle)
+
+    def _check_usable(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("the context was destroyed")
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    async def __aenter__(self) -> Context:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return f"Context({self.handle}, model={self.model.name!r})"
+
+
+def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPass:
+    return fw.ForwardPass(
+        context=handle,
+        tokens=tokens,
+        positions=None,
+        attention_masks=None,
+        logit_mask=None,
+        slots=slots,
+    )

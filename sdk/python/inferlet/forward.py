@@ -1,0 +1,104 @@
+"""`Forward`: one raw forward pass over a context, built step by step and executed once.
+
+Masks are run lengths of a boolean mask that alternate true/false starting with true (a leading
+0 starts with false); `runs([True, True, False])` builds one from booleans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from wit_world.imports import forward as fw
+
+from inferlet import _loop
+from inferlet.errors import call
+from inferlet.sampling import Probe, Sampler, SlotResult, slot_result
+
+if TYPE_CHECKING:
+    from inferlet.context import Context
+
+
+def runs(mask: Iterable[bool]) -> list[int]:
+    """Run lengths of a boolean mask, in the form passes take (starting with a true run)."""
+    lengths: list[int] = []
+    current, count = True, 0
+    for value in mask:
+        if bool(value) != current:
+            lengths.append(count)
+            current, count = not current, 0
+        count += 1
+    lengths.append(count)
+    return lengths
+
+
+async def run_pass(pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
+    """Submits a pass, waits for it on the loop, and takes its outputs (three host calls)."""
+    handle = call(fw.execute, pass_)
+    await _loop.ready(handle)
+    return call(fw.outputs, handle)
+
+
+class Forward:
+    """A pass under construction: `ctx.forward().input(ids).sample([len(ids) - 1], s)`, then
+    `await fwd.execute()` returns one result per slot in the order the slots were added."""
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+        self._tokens: list[int] = []
+        self._positions: list[int] | None = None
+        self._attention: list[list[int]] | None = None
+        self._logit_mask: list[int] | None = None
+        self._slots: list[fw.Slot] = []
+        self._done = False
+
+    def input(self, tokens: Sequence[int], positions: Sequence[int] | None = None) -> Forward:
+        """Appends tokens (with explicit positions, or continuing after the context's last)."""
+        if positions is not None and len(positions) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(positions)} positions")
+        if positions is None and self._positions is not None:
+            raise ValueError("give positions for every input once any input has them")
+        if positions is not None:
+            if self._tokens and self._positions is None:
+                raise ValueError("give positions for every input once any input has them")
+            self._positions = (self._positions or []) + list(positions)
+        self._tokens.extend(tokens)
+        return self
+
+    def attention_mask(self, masks: Sequence[Sequence[int]]) -> Forward:
+        """Per input token, run lengths over the context's tokens (old and new) it attends to."""
+        self._attention = [list(m) for m in masks]
+        return self
+
+    def logit_mask(self, mask: Sequence[int]) -> Forward:
+        """Run lengths over the vocabulary: which tokens samplers may choose."""
+        self._logit_mask = list(mask)
+        return self
+
+    def sample(self, indices: Iterable[int], sampler: Sampler) -> Forward:
+        """A sampling slot at each of `indices` (positions within this pass's input)."""
+        op = sampler.slot_op()
+        self._slots.extend(fw.Slot(index=i, op=op) for i in indices)
+        return self
+
+    def probe(self, indices: Iterable[int], probe: Probe) -> Forward:
+        op = probe.slot_op()
+        self._slots.extend(fw.Slot(index=i, op=op) for i in indices)
+        return self
+
+    async def execute(self) -> list[SlotResult]:
+        if self._done:
+            raise RuntimeError("this forward pass was already executed")
+        if not self._tokens:
+            raise ValueError("a forward pass needs at least one input token")
+        self._done = True
+        pass_ = fw.ForwardPass(
+            context=self._context.handle,
+            tokens=self._tokens,
+            positions=self._positions,
+            attention_masks=self._attention,
+            logit_mask=self._logit_mask,
+            slots=self._slots,
+        )
+        outputs = await self._context._run_own(pass_)
+        return [slot_result(out) for out in outputs]

@@ -1,0 +1,72 @@
+"""`Model`: a model the engine serves, with its tokenizer and chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from wit_world.imports import model as _model
+
+from inferlet.errors import call
+
+Message = Mapping[str, str]
+"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": text}."""
+
+
+class Model:
+    """A handle on a loaded model. Get one with `get_model()` or `Model.load(name)`."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        info = call(_model.info, handle)
+        self.name: str = info.name
+        self.vocab_size: int = info.vocab_size
+        self.page_size: int = info.page_size
+        """Tokens per KV page."""
+        self.max_batch_tokens: int = info.max_batch_tokens
+        self._stop_tokens: tuple[int, ...] | None = None
+
+    @classmethod
+    def load(cls, name: str = "") -> Model:
+        """The model called `name`; the empty name is the engine's default model."""
+        return cls(call(_model.load, name))
+
+    def encode(self, text: str) -> list[int]:
+        return call(_model.encode, self.handle, text)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return call(_model.decode, self.handle, list(tokens))
+
+    def token_texts(self, tokens: Sequence[int]) -> list[str]:
+        """The text of each token on its own (a vocabulary lookup)."""
+        return call(_model.token_texts, self.handle, list(tokens))
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Special token texts and their ids."""
+        return {t.text: t.id for t in call(_model.special_tokens, self.handle)}
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        """Tokens that end a turn (end of sequence, end of message); fetched once."""
+        if self._stop_tokens is None:
+            self._stop_tokens = tuple(call(_model.stop_tokens, self.handle))
+        return self._stop_tokens
+
+    def format_chat(self, messages: Iterable[Message], cue: bool = False) -> str:
+        """Renders messages with the model's chat template; `cue` appends the prompt that starts
+        the assistant's turn."""
+        wit = [_model.Message(role=m["role"], content=m["content"]) for m in messages]
+        return call(_model.format_chat, self.handle, wit, cue)
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r})"
+
+
+def get_model(name: str = "") -> Model:
+    """The model called `name`, or the engine's default model."""
+    return Model.load(name)
+
+
+def models() -> list[str]:
+    """Names of the models the engine serves."""
+    return _model.models()

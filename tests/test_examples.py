@@ -1,0 +1,168 @@
+"""The example inferlets, built with `pie build` and run by the engine on the real default model
+(SmolLM2-135M, float32): greedy text completion equals the engine's own decode, branches run
+batched, a saved prefix is reused, every sampler and probe answers, a failing guest frees its
+pages."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from pie.config import EngineConfig, with_overrides
+from pie.drivers.factory import build_torch_driver
+from pie.engine import open_engine
+from pie.events.inferlet import InferletOutput
+from pie.events.sampling import Argmax
+from pie.generate import generate, prompt_ids
+from tests.inferlet_fixtures import EXAMPLES, GUESTS
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
+from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+Real = tuple[EngineConfig, Any, Any]
+
+
+@pytest.fixture(scope="module")
+def real(default_model_dir: Path, pytestconfig: pytest.Config) -> Real:  # noqa: F811
+    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else ""
+    config = with_overrides(
+        EngineConfig(),
+        model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
+        kv={"num_pages": 256},
+        sandbox={"cache_dir": str(components)},
+    )
+    driver, tokenizer = build_torch_driver(config)
+    return config, driver, tokenizer
+
+
+@pytest.fixture(scope="module")
+def example(built: Callable[[Path], Path]) -> Callable[[str], bytes]:  # noqa: F811
+    def wasm(name: str) -> bytes:
+        folder = GUESTS / name if name == "misbehave" else EXAMPLES / name
+        return built(folder).read_bytes()
+
+    return wasm
+
+
+async def run(engine: Any, wasm: bytes, request: dict[str, Any], **kwargs: Any) -> Any:
+    program = engine.programs.add(wasm)
+    with trio.fail_after(300):
+        outcome = await engine.run_inferlet(program.hash, json.dumps(request), **kwargs)
+    assert outcome.status == "returned", outcome.error
+    return outcome.result
+
+
+async def greedy(engine: Any, ids: list[int], max_tokens: int) -> list[int]:
+    stop = engine.tokenizer.stop_token_ids
+    async with engine.requester() as req:
+        result = await generate(
+            req, ids, max_tokens=max_tokens, sampler=Argmax(), stop_tokens=list(stop)
+        )
+    return [t for t in result.tokens if t not in stop]
+
+
+async def test_greedy_text_completion_equals_the_engines_own_decode(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    prompt, system = "Tell me about dragons who bake bread.", "You are a storyteller."
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        wasm = example("text-completion")
+        plain = await run(engine, wasm, {"prompt": prompt, "max_tokens": 16, "temperature": 0})
+        with_system = await run(engine, wasm, {"prompt": prompt, "system": system, "max_tokens": 8})
+        expected = await greedy(engine, prompt_ids(tokenizer, prompt), 16)
+        expected_system = await greedy(engine, prompt_ids(tokenizer, prompt, system=system), 8)
+    assert len(expected) == 16
+    # Re-encoding the text gives back the engine's tokens: the same tokens, not just similar text.
+    assert tokenizer.encode(plain) == expected
+    assert tokenizer.encode(with_system) == expected_system
+
+
+async def test_parallel_branches_are_batched_and_a_seed_repeats_them(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    request = {"prompt": "Name a fruit.", "n": 3, "max_tokens": 8, "temperature": 0.9, "seed": 5}
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        first = json.loads(await run(engine, example("parallel-generation"), request))
+        again = json.loads(await run(engine, example("parallel-generation"), request))
+        stats = engine.statistics()
+    assert len(first) == 3 and all(isinstance(t, str) and t for t in first)
+    assert first == again
+    assert stats.scheduler.max_batch_size >= 3
+
+
+async def test_a_saved_prefix_is_reused_and_only_the_user_turn_is_prefilled(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    system = "You are a terse assistant who answers in one short sentence."
+    prompts = ["What is 2+2?", "Name a colour."]
+    request = {"system": system, "prompts": prompts, "max_tokens": 8}
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        built_run = json.loads(await run(engine, example("prefix-caching"), request))
+        reused_run = json.loads(await run(engine, example("prefix-caching"), request))
+        snapshots = engine.statistics().kv.snapshots
+        direct = [await greedy(engine, prompt_ids(tokenizer, p, system=system), 8) for p in prompts]
+    messages = [{"role": "system", "content": system}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    snapshot_tokens = len(tokenizer.encode(rendered))
+    assert (built_run["reused"], reused_run["reused"]) == (False, True)
+    assert built_run["snapshot_tokens"] == reused_run["snapshot_tokens"] == snapshot_tokens
+    assert snapshots == 1
+    for prompt, answer in zip(prompts, reused_run["requests"], strict=True):
+        whole = prompt_ids(tokenizer, prompt, system=system)
+        assert answer["prefilled_tokens"] == len(whole) - snapshot_tokens
+    # Continuing from the saved pages decodes exactly like prefilling the whole prompt.
+    for run_ in (built_run, reused_run):
+        assert [tokenizer.encode(r["answer"]) for r in run_["requests"]] == direct
+
+
+async def test_every_sampler_and_probe_answers_in_one_pass(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        summary = json.loads(await run(engine, example("sampler-suite"), {}))
+    samplers, dist = summary["samplers"], summary["distribution"]
+    assert set(samplers) == {"argmax", "multinomial", "top_k", "top_p", "min_p", "top_k_top_p"}
+    assert all(0 <= s["token"] < tokenizer.vocab_size for s in samplers.values())
+    assert samplers["argmax"]["token"] == dist["tokens"][0] == summary["raw_logits"]["argmax"]
+    assert samplers["top_k"]["token"] in dist["tokens"]
+    assert dist["probs"] == sorted(dist["probs"], reverse=True) and sum(dist["probs"]) <= 1.0001
+    assert summary["raw_logits"]["length"] == tokenizer.vocab_size
+    assert len(summary["logprobs"]["values"]) == 2
+    assert all(v <= 0 for v in summary["logprobs"]["values"])
+    assert summary["entropy"] > 0
+
+
+async def test_a_failing_guest_frees_its_pages_and_its_prints_reach_the_launcher(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    printed: list[tuple[str, str]] = []
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, InferletOutput):
+            printed.append((event.stream, event.text))
+
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        program = engine.programs.add(example("misbehave"))
+        failed = await engine.run_inferlet(program.hash, json.dumps({"mode": "contexts"}))
+        with trio.fail_after(10):
+            while engine.statistics().kv.contexts:
+                await trio.sleep(0.01)
+        kv = engine.statistics().kv
+        output = await run(engine, example("misbehave"), {"mode": "stdout"}, on_event=on_event)
+    assert failed.status == "failed"
+    assert "RuntimeError: failing with a context" in (failed.error or "")
+    assert kv.pages_free == kv.pages_total
+    assert output == "printed"
+    assert "".join(t for s, t in printed if s == "stdout") == "to stdout\n"
+    assert "".join(t for s, t in printed if s == "stderr") == "to stderr\n"

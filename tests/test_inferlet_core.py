@@ -1,0 +1,160 @@
+"""The inferlet actor's pure core (admission queue and lifecycle) and the program registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from pie.actors.inferlet import InferletCore, ProgramError, ProgramRegistry
+from pie.events import inferlet as ev
+from pie.events.kv import Done, RequestFailed
+
+WASM = b"\0asm\x0d\x00\x01\x00"
+
+
+def core_with_program(max_concurrent: int = 2) -> tuple[InferletCore, str]:
+    programs = ProgramRegistry()
+    info = programs.add(WASM, name="demo", version="1.0")
+    return InferletCore(programs, max_concurrent=max_concurrent), info.hash
+
+
+def launch(core: InferletCore, corr: int, who: str = "client:1", program: str = "demo") -> str:
+    out = core.handle(ev.LaunchInferlet(corr=corr, requester=who, program=program, input="{}"))
+    launched = out[0][1]
+    assert isinstance(launched, ev.InferletLaunched)
+    return launched.instance
+
+
+def finish(core: InferletCore, instance: str, status: str = "returned", **fields: object) -> list:
+    return core.handle(ev.InferletFinished(instance=instance, status=status, **fields))
+
+
+class TestRegistry:
+    def test_finds_programs_by_hash_name_and_version(self) -> None:
+        programs = ProgramRegistry()
+        first = programs.add(WASM, name="demo", version="1.0")
+        second = programs.add(WASM + b"\x01", name="demo", version="2.0")
+        assert programs.resolve(first.hash).info == first
+        assert programs.resolve("demo").info == second
+        assert programs.resolve("demo@1.0").info == first
+
+    def test_refuses_what_is_not_wasm_and_bad_names(self) -> None:
+        programs = ProgramRegistry()
+        with pytest.raises(ProgramError, match="not a WebAssembly binary"):
+            programs.add(b"hello")
+        with pytest.raises(ProgramError, match="bad program name"):
+            programs.add(WASM, name="../etc")
+        with pytest.raises(ProgramError, match="no program 'missing'"):
+            programs.resolve("missing")
+
+    def test_a_program_without_a_name_is_named_by_its_hash(self) -> None:
+        info = ProgramRegistry().add(WASM)
+        assert info.name == f"program-{info.hash[:12]}" and info.version == "0.1.0"
+
+
+class TestAdmission:
+    def test_unknown_program_is_refused(self) -> None:
+        core, _ = core_with_program()
+        out = core.handle(ev.LaunchInferlet(corr=7, requester="c", program="nope", input=""))
+        assert out == [
+            ("c", RequestFailed(corr=7, kind="no_such_program", message=out[0][1].message))
+        ]
+
+    def test_instances_beyond_the_limit_wait_their_turn(self) -> None:
+        core, _ = core_with_program(max_concurrent=2)
+        ids = [launch(core, corr) for corr in (1, 2, 3)]
+        assert [i.id for i in core.to_start] == ids[:2]
+        assert core.statistics().queued == 1 and core.statistics().running == 2
+        core.to_start.clear()
+        out = finish(core, ids[0], result="done", seconds=0.5)
+        assert ("client:1", ev.InferletReturned(instance=ids[0], result="done", seconds=0.5)) in out
+        assert [i.id for i in core.to_start] == [ids[2]]
+        assert (
+            "client:1",
+            ev.InferletStarted(instance=ids[2], program=core.instances[ids[2]].program.hash),
+        ) in out
+
+    def test_launch_reply_says_whether_it_was_queued(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        first = core.handle(ev.LaunchInferlet(corr=1, requester="c", program="demo", input=""))
+        second = core.handle(ev.LaunchInferlet(corr=2, requester="c", program="demo", input=""))
+        assert first[0][1].queued is False and second[0][1].queued is True
+
+    @pytest.mark.parametrize(
+        ("status", "kind"),
+        [
+            ("failed", ev.InferletFailed),
+            ("trapped", ev.InferletFailed),
+            ("timeout", ev.InferletFailed),
+            ("memory", ev.InferletFailed),
+            ("killed", ev.InferletTerminated),
+        ],
+    )
+    def test_every_end_is_reported_to_the_launcher(self, status: str, kind: type) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        out = finish(core, instance, status=status, error="why")
+        assert [type(e) for dst, e in out if dst == "client:1"] == [kind]
+        assert instance not in core.instances
+
+
+class TestTerminate:
+    def test_a_queued_instance_ends_at_once(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        launch(core, 1)
+        queued = launch(core, 2)
+        out = core.handle(ev.TerminateInferlet(corr=3, requester="client:1", instance=queued))
+        assert out[0] == ("client:1", Done(corr=3))
+        assert isinstance(out[1][1], ev.InferletTerminated) and core.statistics().queued == 0
+
+    def test_a_running_instance_is_killed_by_the_shell(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        core.handle(ev.TerminateInferlet(corr=2, requester="client:1", instance=instance))
+        assert core.to_kill == [(instance, "terminated by client:1")]
+
+    def test_only_the_launcher_may_terminate_or_send(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        out = core.handle(ev.TerminateInferlet(corr=2, requester="client:2", instance=instance))
+        assert out[0][1].kind == "not_owner" and out[0][1].corr == 2
+        out = core.handle(
+            ev.SendToInferlet(corr=3, requester="client:2", instance=instance, text="x")
+        )
+        assert out[0][1].kind == "not_owner"
+        out = core.handle(ev.TerminateInferlet(corr=4, requester="client:1", instance="i99"))
+        assert out[0][1].kind == "no_such_inferlet"
+
+
+class TestSessionsAndChildren:
+    def test_messages_to_a_queued_instance_arrive_when_it_starts(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        first = launch(core, 1)
+        queued = launch(core, 2)
+        core.handle(ev.SendToInferlet(corr=3, requester="client:1", instance=queued, text="hi"))
+        out = finish(core, first)
+        assert (f"inferlet:{queued}", ev.SessionInput(instance=queued, text="hi")) in out
+
+    def test_guest_output_goes_to_the_launcher(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        output = ev.InferletOutput(instance=instance, stream="stdout", text="hello\n")
+        assert core.handle(output) == [("client:1", output)]
+
+    def test_children_end_with_their_parent(self) -> None:
+        core, _ = core_with_program(max_concurrent=2)
+        parent = launch(core, 1)
+        running = launch(core, 2, who=f"inferlet:{parent}")
+        queued = launch(core, 3, who=f"inferlet:{parent}")
+        out = finish(core, parent, status="failed", error="boom")
+        assert (running, f"its parent {parent} ended") in core.to_kill
+        ended = [e for dst, e in out if dst == f"inferlet:{parent}"]
+        assert ended == [
+            ev.InferletTerminated(instance=queued, reason=f"its parent {parent} ended", seconds=0.0)
+        ]
+
+    def test_stop_all_ends_queued_and_kills_running(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        running = launch(core, 1)
+        launch(core, 2)
+        core.stop_all("shutdown")
+        assert core.to_kill == [(running, "shutdown")] and core.statistics().queued == 0
