@@ -5,7 +5,6 @@ above that time is runtime overhead: host calls, actor hops, batching and result
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import tempfile
@@ -16,7 +15,7 @@ from typing import Any
 import psutil
 import trio
 
-from pie.build import SDK, build_inferlet
+from pie.build import SDK, cached_build
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.loader.resolve import default_cache_dir
 from pie.drivers.synthetic import SyntheticDriver
@@ -35,14 +34,7 @@ async def main(input):
 
 def cached_component(folder: Path) -> bytes:
     """The folder built with `pie build`, reused while its sources and the SDK are unchanged."""
-    digest = hashlib.sha256()
-    for root in (folder, SDK / "python", SDK / "wit"):
-        for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    output = default_cache_dir() / "inferlets" / f"{folder.name}-{digest.hexdigest()[:24]}.wasm"
-    if not output.is_file():
-        build_inferlet(folder, output)
-    return output.read_bytes()
+    return cached_build(folder, default_cache_dir() / "inferlets").read_bytes()
 
 
 def _idle_component() -> bytes:
@@ -92,12 +84,15 @@ async def _overhead(engine: Engine, program: str, concurrency: int, args: Any) -
     }
 
 
-async def _launch_latency(config: EngineConfig, driver_args: dict[str, Any], tokenizer: Any,
-                          wasm: bytes) -> dict[str, float]:
+async def _launch_latency(
+    config: EngineConfig, driver_args: dict[str, Any], tokenizer: Any, wasm: bytes
+) -> dict[str, float]:
     """A 1-token completion from launch to result: first on a new engine (the component comes
     from the disk cache), then again on the same engine."""
     request = json.dumps({"prompt": "Hi", "max_tokens": 1, "temperature": 0})
-    async with open_engine(config, driver=SyntheticDriver(**driver_args), tokenizer=tokenizer) as engine:
+    async with open_engine(
+        config, driver=SyntheticDriver(**driver_args), tokenizer=tokenizer
+    ) as engine:
         program = engine.programs.add(wasm).hash
         started = time.perf_counter()
         await engine.run_inferlet(program, request)
@@ -165,8 +160,10 @@ def run_bench_inferlets(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=2))
         return 0
     print(f"fixed forward pass: {args.pass_ms} ms; text-completion inferlet, greedy")
-    print(f"{'concurrent':>10}{'us/token':>12}{'overhead us':>13}{'tokens/s':>11}{'ideal':>9}"
-          f"{'batch':>7}")
+    print(
+        f"{'concurrent':>10}{'us/token':>12}{'overhead us':>13}{'tokens/s':>11}{'ideal':>9}"
+        f"{'batch':>7}"
+    )
     for concurrency in args.concurrency:
         row = figures[f"concurrency_{concurrency}"]
         print(
@@ -174,15 +171,9 @@ def run_bench_inferlets(args: argparse.Namespace) -> int:
             f"{row['tokens_per_second']:>11.1f}{row['ideal_tokens_per_second']:>9.0f}"
             f"{row['mean_batch_size']:>7.1f}"
         )
-    print(f"cold launch (component from the disk cache) to result: {figures['cold_launch_ms']:.1f} ms")
+    print(
+        f"cold launch (component from the disk cache) to result: {figures['cold_launch_ms']:.1f} ms"
+    )
     print(f"warm launch to result: {figures['warm_launch_ms']:.1f} ms")
     print(f"resident memory per idle inferlet: {figures['idle_rss_mb_per_inferlet']:.1f} MB")
     return 0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per measured generation")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--idle", type=int, default=16, help="idle inferlets for the memory figure")

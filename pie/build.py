@@ -4,6 +4,7 @@ componentize-py, against sdk/wit and the guest SDK in sdk/python."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import subprocess
 import sys
@@ -103,3 +104,28 @@ _LAUNCHER = "import sys; from componentize_py import script; sys.exit(script())"
 
 def _componentize_py() -> list[str]:
     return [sys.executable, "-c", _LAUNCHER]
+
+
+def inputs_digest(folder: Path) -> str:
+    """sha256 over everything a build of `folder` reads: its files, the guest SDK and the WIT."""
+    digest = hashlib.sha256()
+    for root in (folder, GUEST_SDK, WIT_DIR):
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            if "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            digest.update(str(path.relative_to(root)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+        digest.update(b"\1")
+    return digest.hexdigest()
+
+
+def cached_build(folder: Path, cache_dir: Path) -> Path:
+    """`folder` built into cache_dir/<name>-<inputs digest>.wasm, reusing an earlier build of
+    the same inputs; builds of older inputs are deleted."""
+    folder = Path(folder)
+    output = Path(cache_dir) / f"{folder.name}-{inputs_digest(folder)}.wasm"
+    if not output.is_file():
+        for stale in Path(cache_dir).glob(f"{folder.name}-*"):
+            stale.unlink()
+        build_inferlet(folder, output)
+    return output

@@ -51,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-tokens", type=int, default=256)
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     _engine_options(bench)
+    suites = bench.add_subparsers(dest="suite", metavar="[inferlets]")
+    inferlets = suites.add_parser(
+        "inferlets", help="runtime overhead per token, launch latency and memory of inferlets"
+    )
+    inferlets.add_argument("--json", action="store_true", help="print one JSON object")
+    inferlets.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
+    inferlets.add_argument("--tokens", type=int, default=64, help="tokens per measured run")
+    inferlets.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    inferlets.add_argument("--repeats", type=int, default=3)
+    inferlets.add_argument("--idle", type=int, default=16, help="idle inferlets to weigh")
     return parser
 
 
@@ -95,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pie.commands import run_replay
 
             return run_replay(args)
+        if getattr(args, "suite", None) == "inferlets":
+            from pie.bench_inferlets import run_bench_inferlets
+
+            return run_bench_inferlets(args)
         from pie.bench import run_bench
 
         return run_bench(args)

@@ -13,8 +13,8 @@ from attrs import frozen
 
 from pie import __version__
 from pie.actors.bus import BusCore, BusStatistics
-from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.inference import InferenceActor, InferenceStatistics
+from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.kv import KvCore, KvStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router

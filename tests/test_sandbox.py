@@ -447,7 +447,7 @@ def test_an_ok_result_returns_and_an_err_result_fails(
     assert (returned.status, returned.value, returned.error) == ("returned", "ok, done", None)
     failed = run(runtime, guest, "err: no")
     assert (failed.status, failed.value) == ("failed", None)
-    assert failed.error == "the program returned an error: err: no"
+    assert failed.error == "err: no"
 
 
 def test_a_trap_is_reported_with_its_cause(runtime: WasmRuntime, guest: Component) -> None:

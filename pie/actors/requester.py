@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import trio
-
-from pie.actors.runtime import Router
 from attrs import frozen
 
+from pie.actors.runtime import Router
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev

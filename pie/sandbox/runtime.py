@@ -49,7 +49,8 @@ class RunOutcome:
     value: str | None = None
     """What `run` returned, when it returned ok."""
     error: str | None = None
-    """For people: what went wrong, in one paragraph."""
+    """For people, in one paragraph: the program's own error when it returned err, else what
+    stopped it."""
     seconds: float = 0.0
 
     @property
@@ -340,7 +341,7 @@ def _call(
     assert isinstance(result, Variant), result
     if result.tag == "ok":
         return "returned", result.payload, None
-    return "failed", None, f"the program returned an error: {result.payload}"
+    return "failed", None, result.payload
 
 
 def _start(store: Store, component: Component, linker: Linker) -> ComponentFunc:

@@ -298,12 +298,25 @@ _COMPILED: dict[Path, tuple[wasmtime.Engine, Component]] = {}
 
 
 def compiled(wasm: Path) -> tuple[wasmtime.Engine, Component]:
-    """Compiles a component once per test session (compiling takes seconds)."""
+    """Compiles a component once (seconds) and keeps the machine code next to it (.cwasm), so
+    later sessions load it in milliseconds."""
     with _ENGINE_LOCK:
         if wasm not in _COMPILED:
             engine = wasmtime.Engine()
-            _COMPILED[wasm] = (engine, Component.from_file(engine, str(wasm)))
+            _COMPILED[wasm] = (engine, _load(engine, wasm))
         return _COMPILED[wasm]
+
+
+def _load(engine: wasmtime.Engine, wasm: Path) -> Component:
+    artifact = wasm.with_suffix(".cwasm")
+    if artifact.is_file():
+        try:
+            return Component.deserialize_file(engine, str(artifact))
+        except wasmtime.WasmtimeError:
+            pass  # made by another wasmtime version or config: compile again
+    component = Component.from_file(engine, str(wasm))
+    artifact.write_bytes(component.serialize())
+    return component
 
 
 def run_guest(wasm: Path, input: str, host: FakeHost, out_dir: Path) -> tuple[str, str]:

@@ -13,13 +13,19 @@ from typing import Any
 
 import trio
 
-from pie.actors.inferlet.core import Instance, InferletCore, InferletStatistics
+from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
 from pie.actors.runtime import Actor, MailboxOverrun, Router
 from pie.events import bus as bus_ev
 from pie.events import inferlet as ev
 from pie.events import kv as kv_ev
-from pie.sandbox import GuestStopped, InvalidProgram, KillSwitch, RunOutcome, SandboxLimits
-from pie.sandbox import WasmRuntime
+from pie.sandbox import (
+    GuestStopped,
+    InvalidProgram,
+    KillSwitch,
+    RunOutcome,
+    SandboxLimits,
+    WasmRuntime,
+)
 from pie.sandbox.host import InstanceState, ModelView, add_inferlet_api, bind
 
 GUEST_NICENESS = 10
@@ -196,9 +202,10 @@ class InferletActor(Actor):
         def on_output(stream: str, data: bytes) -> None:
             text = data.decode("utf-8", errors="replace")
             with contextlib.suppress(GuestStopped):
-                state.bridge.post("inferlets", ev.InferletOutput(
-                    instance=state.instance, stream=stream, text=text
-                ))
+                state.bridge.post(
+                    "inferlets",
+                    ev.InferletOutput(instance=state.instance, stream=stream, text=text),
+                )
 
         return self.wasm.run(
             component, self._linker, input, limits=limits, kill=state.kill, on_output=on_output
@@ -208,7 +215,9 @@ class InferletActor(Actor):
         self._kills.pop(instance.id, None)
         self.router.unregister(instance.address)
         src = instance.address
-        self.router.send_nowait(src, "kv", kv_ev.ReleaseRequester(corr=next(self._corr), requester=src))
+        self.router.send_nowait(
+            src, "kv", kv_ev.ReleaseRequester(corr=next(self._corr), requester=src)
+        )
         self.router.send_nowait(src, "bus", bus_ev.LeaveBus(corr=next(self._corr), requester=src))
         if outcome is None:
             outcome = RunOutcome(

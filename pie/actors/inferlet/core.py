@@ -109,9 +109,14 @@ class InferletCore:
         out: list[Output] = [(event.requester, Done(corr=event.corr))]
         if instance.state == "queued":
             self.queue.remove(instance.id)
-            out.extend(self._end(instance, ev.InferletTerminated(
-                instance=instance.id, reason=f"terminated by {event.requester}", seconds=0.0
-            )))
+            out.extend(
+                self._end(
+                    instance,
+                    ev.InferletTerminated(
+                        instance=instance.id, reason=f"terminated by {event.requester}", seconds=0.0
+                    ),
+                )
+            )
         elif instance.state == "running":
             instance.state = "stopping"
             self.to_kill.append((instance.id, f"terminated by {event.requester}"))
@@ -163,9 +168,9 @@ class InferletCore:
     def _stop_child(self, child: Instance, reason: str) -> list[Output]:
         if child.state == "queued":
             self.queue.remove(child.id)
-            return self._end(child, ev.InferletTerminated(
-                instance=child.id, reason=reason, seconds=0.0
-            ))
+            return self._end(
+                child, ev.InferletTerminated(instance=child.id, reason=reason, seconds=0.0)
+            )
         if child.state == "running":
             child.state = "stopping"
             self.to_kill.append((child.id, reason))

@@ -25,6 +25,7 @@ def _seed(params: Any) -> int | None:
 
 
 def _slot_op(op: Any) -> s.SlotOp:
+    p: Any
     tag, p = (op.tag, op.payload) if isinstance(op, Variant) else (op, None)
     match tag:
         case "argmax":
@@ -80,9 +81,7 @@ def _output(out: s.SlotOutput) -> Variant:
         case s.TokenOutput():
             return Variant("token", out.token)
         case s.DistributionOutput():
-            return Variant(
-                "distribution", record(tokens=list(out.tokens), probs=list(out.probs))
-            )
+            return Variant("distribution", record(tokens=list(out.tokens), probs=list(out.probs)))
         case s.LogitsOutput():
             return Variant("logits", list(out.values))
         case s.LogProbsOutput():

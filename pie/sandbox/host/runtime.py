@@ -59,7 +59,7 @@ def terminate(child: int) -> None:
 
 
 def register(instance: LinkerInstance) -> None:
-    for fn in (version, instance_id, user):
-        add_host_func(instance, fn.__name__.replace("_", "-"), fn)
-    for fn in (launch, wait, child_result, terminate):
-        add_host_func(instance, fn.__name__.replace("_", "-"), host_call(fn))
+    for plain in (version, instance_id, user):
+        add_host_func(instance, plain.__name__.replace("_", "-"), plain)
+    for fallible in (launch, wait, child_result, terminate):
+        add_host_func(instance, fallible.__name__.replace("_", "-"), host_call(fallible))

@@ -260,7 +260,11 @@ class InstanceState:
                 case inf_ev.SessionInput():
                     self._session.append(event)
                     self._feed_session()
-                case inf_ev.InferletReturned() | inf_ev.InferletFailed() | inf_ev.InferletTerminated():
+                case (
+                    inf_ev.InferletReturned()
+                    | inf_ev.InferletFailed()
+                    | inf_ev.InferletTerminated()
+                ):
                     self._child_ended(event)
                 case inf_ev.InferletStarted() | inf_ev.InferletOutput() | inf_ev.SessionMessage():
                     pass
@@ -292,7 +296,9 @@ class InstanceState:
 
     def _check_alive(self) -> None:
         if self.kill.killed:
-            raise GuestStopped("killed", f"inferlet {self.instance} was stopped: {self.kill.reason}")
+            raise GuestStopped(
+                "killed", f"inferlet {self.instance} was stopped: {self.kill.reason}"
+            )
         if time.monotonic() >= self.deadline:
             raise GuestStopped("timeout", f"inferlet {self.instance} ran out of its time budget")
 

@@ -58,6 +58,10 @@ class InferletLoop(asyncio.BaseEventLoop):
         waiter.add_done_callback(lambda done: self._forget(handle, done))
         return waiter
 
+    def idle(self) -> bool:
+        """No callback ready, no timer set and no other host future pending."""
+        return not (self._ready or self._scheduled or self._selector.waiting)  # type: ignore[attr-defined]
+
     def _forget(self, handle: int, waiter: asyncio.Future[None]) -> None:
         if waiter.cancelled() and self._selector.waiting.pop(handle, None) is not None:
             futures.discard(handle)
@@ -68,6 +72,11 @@ async def ready(handle: int) -> None:
     loop = asyncio.get_running_loop()
     if not isinstance(loop, InferletLoop):
         raise RuntimeError("inferlet code must run on the inferlet event loop (use main())")
+    if loop.idle():
+        # Nothing else could run meanwhile, so the loop would make this very poll; making it
+        # here skips a trip through the loop's machinery on every decode step.
+        call(futures.poll, [handle])
+        return
     await loop.host_future(handle)
 
 
