@@ -66,6 +66,8 @@ class SchedulerCore:
         self._finished_at = 0.0
         self._running: set[int] = set()
         self._awaited: set[int] = set()
+        self._slowest_return = 0.0
+        self._return_window = 0.0
         self._batches = 0
         self._requests = 0
         self._tokens = 0
@@ -75,7 +77,9 @@ class SchedulerCore:
 
     def submit(self, request: ForwardRequest, now: float) -> None:
         self._queue.append(_Work(request, now))
-        self._awaited.discard(request.context)
+        if request.context in self._awaited:
+            self._awaited.discard(request.context)
+            self._slowest_return = max(self._slowest_return, now - self._finished_at)
 
     def pass_finished(self, seconds: float, now: float = 0.0) -> None:
         """The pass fired last took `seconds` and ended at `now`; its contexts are now awaited."""
@@ -89,12 +93,23 @@ class SchedulerCore:
         """When the watchdog fires whatever is queued, if anything is queued."""
         if self._in_flight or not self._queue:
             return None
-        return self._finished_at + self._last_seconds
+        return self._finished_at + self._patience()
+
+    def _patience(self) -> float:
+        """How long after a pass the watchdog waits for that pass's contexts: one pass time,
+        stretched (up to two) when they took longer than that to come back last time, since
+        several busy programs on few cores can need more than a pass to answer and firing
+        without them splits the batch for good."""
+        stretched = max(self._last_seconds, 1.25 * self._return_window)
+        return min(stretched, 2 * self._last_seconds)
 
     def next_batch(self, now: float) -> ExecuteBatch | None:
         if self._in_flight or not self._queue or not self._should_fire(now):
             return None
         requests = self._take()
+        if self._finished_at:
+            self._return_window = self._slowest_return
+        self._slowest_return = 0.0
         self._record(requests)
         self._running = {r.context for r in requests}
         self._awaited = set()
@@ -111,7 +126,7 @@ class SchedulerCore:
             >= self.policy.max_batch_tokens
         ):
             return True
-        return now >= self._finished_at + self._last_seconds
+        return now >= self._finished_at + self._patience()
 
     def _take(self) -> list[ForwardRequest]:
         budget = self.policy.max_batch_tokens
