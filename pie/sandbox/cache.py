@@ -50,9 +50,12 @@ class ComponentCache:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def load(self, wasm: bytes) -> tuple[str, Component]:
-        """The sha256 of `wasm` and its compiled component; raises InvalidProgram."""
-        digest = hashlib.sha256(wasm).hexdigest()
+    def load(self, wasm: bytes, digest: str | None = None) -> tuple[str, Component]:
+        """The sha256 of `wasm` and its compiled component; raises InvalidProgram.
+
+        `digest`, when the caller already knows it, saves hashing the bytes again.
+        """
+        digest = digest or hashlib.sha256(wasm).hexdigest()
         component = self._loaded.get(digest)
         if component is not None:
             return digest, component

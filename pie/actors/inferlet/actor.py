@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
+from pie.actors.inferlet.programs import Program
 from pie.actors.runtime import Actor, MailboxOverrun, Router
 from pie.events import bus as bus_ev
 from pie.events import inferlet as ev
@@ -138,11 +139,11 @@ class InferletActor(Actor):
             finished.set()
 
         token = trio.lowlevel.current_trio_token()
-        wasm = self.core.programs.resolve(instance.program.hash).wasm
+        program = self.core.programs.resolve(instance.program.hash)
         limits = self._limits_for(instance)
         thread = threading.Thread(
             target=self._thread_main,
-            args=(state, wasm, instance.input, limits, lambda r: token.run_sync_soon(done, r)),
+            args=(state, program, instance.input, limits, lambda r: token.run_sync_soon(done, r)),
             name=f"inferlet-{instance.id}",
             daemon=True,
         )
@@ -169,14 +170,14 @@ class InferletActor(Actor):
         )
 
     def _thread_main(
-        self, state: InstanceState, wasm: bytes, input: str, limits: SandboxLimits, done: Any
+        self, state: InstanceState, program: Program, input: str, limits: SandboxLimits, done: Any
     ) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GUEST_NICENESS)
         bind(state)
         started = time.monotonic()
         try:
-            outcome = self._execute(state, wasm, input, limits)
+            outcome = self._execute(state, program, input, limits)
         except BaseException as exc:  # the host must learn of every end, whatever happened
             outcome = RunOutcome(
                 status="trapped",
@@ -192,10 +193,10 @@ class InferletActor(Actor):
             pass
 
     def _execute(
-        self, state: InstanceState, wasm: bytes, input: str, limits: SandboxLimits
+        self, state: InstanceState, program: Program, input: str, limits: SandboxLimits
     ) -> RunOutcome:
         try:
-            _, component = self.wasm.cache.load(wasm)
+            _, component = self.wasm.cache.load(program.wasm, program.info.hash)
         except InvalidProgram as exc:
             return RunOutcome(status="failed", value=None, error=str(exc), seconds=0.0)
 
