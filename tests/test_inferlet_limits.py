@@ -67,7 +67,9 @@ async def test_a_looping_guest_is_stopped_at_its_budget_while_another_completes(
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         looping = engine.programs.add(example("misbehave")).hash
         completing = engine.programs.add(example("text-completion")).hash
-        loop, done = await launch_all(engine, [(looping, {"mode": "loop"}), (completing, COMPLETION)])
+        loop, done = await launch_all(
+            engine, [(looping, {"mode": "loop"}), (completing, COMPLETION)]
+        )
     assert loop.status == "timeout" and "budget" in loop.error
     assert 2.5 < loop.seconds < 6
     assert done.ok and done.result

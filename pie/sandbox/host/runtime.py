@@ -55,7 +55,12 @@ def terminate(child: int) -> None:
     state = current()
     instance = state.child_instance(child)
     event = ev.TerminateInferlet(corr=state.next_corr(), requester=state.address, instance=instance)
-    state.request("inferlets", event)
+    try:
+        state.request("inferlets", event)
+    except HostFailure as failure:
+        # A child that has already ended is as stopped as it can be.
+        if failure.kind != "no-such-inferlet":
+            raise
 
 
 def register(instance: LinkerInstance) -> None:

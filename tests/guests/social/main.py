@@ -1,0 +1,42 @@
+"""A test guest for the I/O interfaces: input {"mode": ...} picks a role."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from inferlet import messaging, runtime, session
+
+
+async def main(input: dict[str, Any]) -> Any:
+    mode = input["mode"]
+    if mode == "parent":
+        children = [runtime.launch("social", {"mode": "child", "n": n}) for n in range(3)]
+        results = await asyncio.gather(*(child.result() for child in children))
+        pulled = [await messaging.pull("greetings") for _ in children]
+        return {"results": list(results), "pulled": sorted(pulled)}
+    if mode == "child":
+        messaging.push("greetings", f"hello from {input['n']}")
+        return f"child {input['n']} done"
+    if mode == "orphan-maker":
+        runtime.launch("social", {"mode": "wait-forever"})
+        raise RuntimeError("leaving my child behind")
+    if mode == "wait-forever":
+        return await session.receive()
+    if mode == "subscriber":
+        subscription = messaging.subscribe("news")
+        session.send("subscribed")
+        first = await subscription.next()
+        second = await subscription.next()
+        subscription.unsubscribe()
+        return [first, second]
+    if mode == "publisher":
+        for item in input["items"]:
+            messaging.broadcast("news", item)
+        return "published"
+    if mode == "echo":
+        session.send(b"\x00binary")
+        reply = await session.receive()
+        return json.dumps({"got": reply if isinstance(reply, str) else reply.hex()})
+    raise ValueError(f"unknown mode {mode!r}")
