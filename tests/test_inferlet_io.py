@@ -99,3 +99,51 @@ async def test_children_end_with_their_parent(
         stats = engine.statistics().inferlets
     assert outcome.status == "failed" and "leaving my child behind" in (outcome.error or "")
     assert stats.terminated == 1 and stats.queued == 0
+
+
+@pytest.fixture(scope="module")
+def misbehave(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
+    return built(GUESTS / "misbehave").read_bytes()
+
+
+async def run_misbehave(wasm: bytes, request: dict[str, Any], **sandbox: Any) -> Any:
+    config = with_overrides(EngineConfig(), sandbox=sandbox)
+    async with open_engine(config, driver=SyntheticDriver()) as engine:
+        program = engine.programs.add(wasm).hash
+        with trio.fail_after(60):
+            outcome = await engine.run_inferlet(program, json.dumps(request))
+    assert outcome.ok, outcome.error
+    return outcome
+
+
+async def test_files_only_in_the_scratch_directory(misbehave: bytes, tmp_path: Path) -> None:
+    cache = str(tmp_path / "components")
+    scratch = tmp_path / "scratch"
+    with_scratch = await run_misbehave(
+        misbehave, {"mode": "files"}, cache_dir=cache, scratch_dir=str(scratch)
+    )
+    without = await run_misbehave(misbehave, {"mode": "files"}, cache_dir=cache)
+    assert json.loads(with_scratch.result)["scratch"] == "written"
+    assert (scratch / with_scratch.instance / "note.txt").read_text() == "kept"
+    assert json.loads(without.result)["scratch"] != "written"
+    for outcome in (with_scratch, without):
+        assert not json.loads(outcome.result)["etc"].startswith("read")
+
+
+async def test_no_network(misbehave: bytes, tmp_path: Path) -> None:
+    accepted: list[Any] = []
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def watch() -> None:
+        accepted.append(await listeners[0].accept())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        outcome = await run_misbehave(
+            misbehave, {"mode": "network", "port": port}, cache_dir=str(tmp_path)
+        )
+        await trio.sleep(0.2)
+        nursery.cancel_scope.cancel()
+    assert outcome.result.startswith("refused")
+    assert accepted == []

@@ -35,4 +35,31 @@ async def main(input: dict[str, Any]) -> str:
         session.send("hello")
         reply = await session.receive()
         return reply if isinstance(reply, str) else reply.decode()
+    if mode == "files":
+        return {"scratch": _try_write("/scratch/note.txt"), "etc": _try_read("/etc/hostname")}
+    if mode == "network":
+        import socket
+
+        try:
+            socket.create_connection(("127.0.0.1", int(input["port"])), timeout=2).close()
+            return "connected"
+        except Exception as exc:  # whatever WASI says, it must not be a connection
+            return f"refused: {type(exc).__name__}"
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def _try_write(path: str) -> str:
+    try:
+        with open(path, "w") as file:
+            file.write("kept")
+        return "written"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def _try_read(path: str) -> str:
+    try:
+        with open(path) as file:
+            return "read " + file.read(10)
+    except OSError as exc:
+        return type(exc).__name__
