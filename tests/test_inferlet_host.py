@@ -121,3 +121,18 @@ async def test_bytes_that_are_not_a_component_fail_clearly(tmp_path: Path) -> No
         still_fine = await engine.run_inferlet(add_guest(engine), "o")
     assert outcome.status == "failed" and outcome.error
     assert still_fine.ok
+
+
+async def test_closing_a_launcher_stops_its_inferlets_ended_or_not(tmp_path: Path) -> None:
+    async with engine_for(tmp_path) as engine:
+        program = add_guest(engine)
+        async with engine.requester() as requester:
+            await requester.launch(program, "o")
+            await requester.launch(program, "p")
+            await trio.sleep(0.2)
+        with trio.fail_after(5):
+            while engine.inferlets.core.instances:
+                await trio.sleep(0.01)
+        stats = engine.statistics().inferlets
+    assert (stats.returned, stats.terminated) == (1, 1)
+    assert "client:" not in " ".join(m.address for m in engine.router.statistics())

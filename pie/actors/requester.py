@@ -3,6 +3,7 @@ correlation id. The engine's own API, the CLI and (later) each inferlet speak th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterator
@@ -250,7 +251,8 @@ class Requester:
         with trio.move_on_after(5, shield=True):
             for instance in list(self._runs):
                 # An inferlet does not outlive the requester that launched it.
-                await self.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
+                with contextlib.suppress(RequestRefused):  # it may have ended already
+                    await self.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
             await self.call("kv", kv_ev.ReleaseRequester)
             await self.call("bus", bus_ev.LeaveBus)
         self.router.unregister(self.address)
