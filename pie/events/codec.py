@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import cattrs
@@ -93,19 +93,30 @@ def encode(event: Any) -> dict[str, Any]:
     return {TAG: type(event).__name__, **data}
 
 
-def decode(data: Any) -> Any:
-    """The event a dict made by `encode` describes."""
+def decode(data: Any, by_name: Mapping[str, type] | None = None, what: str = "event") -> Any:
+    """The event (or, with `by_name`, the message of another closed set) a dict made by
+    `encode` describes."""
     if not isinstance(data, dict):
         raise DecodeError(f"expected an object, got {type(data).__name__}")
     fields = dict(data)
     name = fields.pop(TAG, None)
-    cls = _BY_NAME.get(name) if isinstance(name, str) else None
+    cls = (by_name or _BY_NAME).get(name) if isinstance(name, str) else None
     if cls is None:
-        raise DecodeError(f"unknown event type {name!r}")
+        raise DecodeError(f"unknown {what} type {name!r}")
     try:
         return converter.structure(fields, cls)
     except Exception as exc:  # cattrs raises ClassValidationError groups and plain errors
         raise DecodeError(f"bad {name}: {'; '.join(_messages(exc))}") from exc
+
+
+def by_name(classes: Iterable[type]) -> dict[str, type]:
+    """A closed set of message classes keyed by their tag, for `decode`."""
+    return {cls.__name__: cls for cls in classes}
+
+
+def register_tagged_union(union: Any) -> None:
+    """Fields typed with `union` (of attrs classes) are encoded with the class name as tag."""
+    _tagged(union, converter)
 
 
 def dumps(event: Any) -> str:

@@ -1,0 +1,1 @@
+"""The edges: the WebSocket protocol (messages and frames)."""

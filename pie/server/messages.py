@@ -1,0 +1,253 @@
+"""The wire protocol's vocabulary: what a client may send and what the server answers.
+
+Each message is one WebSocket text frame holding one JSON object, encoded by the one cattrs
+converter (`pie.events.codec`) and tagged with its class name under "type". See
+docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from attrs import frozen
+
+from pie.events import inferlet as ev
+
+PROTOCOL_VERSION = 1
+
+# -- client -> server: every request carries a `corr` chosen by the client ---------------------
+
+
+@frozen(kw_only=True)
+class Authenticate:
+    """Token authentication, or the answer to a challenge (`signature`, base64)."""
+
+    corr: int
+    user: str
+    token: str | None = None
+    signature: str | None = None
+
+
+@frozen(kw_only=True)
+class RequestChallenge:
+    """Asks for a nonce to sign with the user's private key."""
+
+    corr: int
+    user: str
+
+
+@frozen(kw_only=True)
+class QueryProgram:
+    """Is a program (content hash, name or name@version) installed?"""
+
+    corr: int
+    program: str
+
+
+@frozen(kw_only=True)
+class UploadProgram:
+    """One chunk of a program upload; chunks of one upload share `hash` and arrive in order."""
+
+    corr: int
+    name: str
+    version: str
+    hash: str
+    size: int
+    index: int
+    count: int
+    data: bytes
+
+
+@frozen(kw_only=True)
+class Launch:
+    corr: int
+    program: str
+    input: str = ""
+
+
+@frozen(kw_only=True)
+class Attach:
+    """Stream an inferlet's events to this connection, replaying those after `after`."""
+
+    corr: int
+    instance: str
+    after: int = 0
+
+
+@frozen(kw_only=True)
+class Detach:
+    corr: int
+    instance: str
+
+
+@frozen(kw_only=True)
+class SendMessage:
+    """Text or bytes for the inferlet's `session.receive`."""
+
+    corr: int
+    instance: str
+    text: str | None = None
+    data: bytes | None = None
+
+
+@frozen(kw_only=True)
+class Terminate:
+    corr: int
+    instance: str
+
+
+@frozen(kw_only=True)
+class ListInferlets:
+    corr: int
+
+
+@frozen(kw_only=True)
+class QueryStatistics:
+    corr: int
+
+
+ClientMessage: TypeAlias = (
+    Authenticate
+    | RequestChallenge
+    | QueryProgram
+    | UploadProgram
+    | Launch
+    | Attach
+    | Detach
+    | SendMessage
+    | Terminate
+    | ListInferlets
+    | QueryStatistics
+)
+
+# -- server -> client ----------------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class Welcome:
+    """The first frame on every connection."""
+
+    protocol: int
+    server: str
+    model: str
+    auth_required: bool
+
+
+@frozen(kw_only=True)
+class Done:
+    """A request with nothing else to say succeeded."""
+
+    corr: int
+
+
+@frozen(kw_only=True)
+class Failure:
+    """A request failed. `kind` is a stable word (docs/protocol.md lists them); `message`,
+    for people, names the bad field when the frame itself was wrong."""
+
+    corr: int
+    kind: str
+    message: str
+
+
+@frozen(kw_only=True)
+class ChallengeIssued:
+    corr: int
+    nonce: str
+
+
+@frozen(kw_only=True)
+class Authenticated:
+    corr: int
+    user: str
+
+
+@frozen(kw_only=True)
+class ProgramFound:
+    corr: int
+    hash: str
+    name: str
+    version: str
+    size: int
+
+
+@frozen(kw_only=True)
+class UploadProgress:
+    corr: int
+    received: int
+    """Bytes received so far of this upload."""
+
+
+@frozen(kw_only=True)
+class Launched:
+    corr: int
+    instance: str
+    queued: bool
+
+
+@frozen(kw_only=True)
+class InferletSummary:
+    instance: str
+    program: str
+    user: str
+    state: str
+    """queued, running or stopping."""
+    attached: bool
+
+
+@frozen(kw_only=True)
+class InferletList:
+    corr: int
+    inferlets: tuple[InferletSummary, ...]
+
+
+@frozen(kw_only=True)
+class EngineStatus:
+    corr: int
+    model: str
+    pages_total: int
+    pages_free: int
+    contexts: int
+    passes: int
+    mean_batch_size: float
+    last_pass_ms: float
+    inferlets_running: int
+    inferlets_queued: int
+
+
+StreamedEvent: TypeAlias = (
+    ev.InferletStarted
+    | ev.InferletOutput
+    | ev.SessionMessage
+    | ev.InferletReturned
+    | ev.InferletFailed
+    | ev.InferletTerminated
+)
+
+
+@frozen(kw_only=True)
+class InferletEvent:
+    """Something an attached inferlet did; `seq` counts from 1 per inferlet, so a client that
+    re-attaches with `after=seq` gets exactly what it missed (while it is still buffered)."""
+
+    instance: str
+    seq: int
+    event: StreamedEvent
+
+
+ServerMessage: TypeAlias = (
+    Welcome
+    | Done
+    | Failure
+    | ChallengeIssued
+    | Authenticated
+    | ProgramFound
+    | UploadProgress
+    | Launched
+    | InferletList
+    | EngineStatus
+    | InferletEvent
+)
+
+CLIENT_MESSAGES: tuple[type, ...] = ClientMessage.__args__  # type: ignore[attr-defined]
+SERVER_MESSAGES: tuple[type, ...] = ServerMessage.__args__  # type: ignore[attr-defined]
