@@ -9,123 +9,45 @@ import ctypes
 import operator
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from attrs import frozen
 from wasmtime import StoreContext
 from wasmtime import _ffi as ffi
 from wasmtime.component import _types as wt
 
-Lift = Callable[[Any], Any]
-"""Reads a `wasmtime_component_val_t` (borrowed: the C side frees it after the call)."""
-Lower = Callable[[Any, Any], None]
-"""Writes a Python value into a `wasmtime_component_val_t` the C side takes over. A value
-that does not fit raises before anything is attached to the destination, so a half-built
-value is leaked, never freed twice (only host bugs get there)."""
-
-_VAL = ffi.wasmtime_component_val_t
-_VAL_SIZE = ctypes.sizeof(_VAL)
-_PAYLOAD_OFFSET = _VAL.of.offset
-_BULK_MIN = 16
-"""Below this many elements a plain loop beats setting up numpy views."""
-
-# A private prototype that takes `bytes` as they are (wasmtime-py's copies them through a
-# ctypes buffer first); wasmtime's own prototype object stays untouched.
-_byte_vec_new = ffi.dll["wasm_byte_vec_new"]
-_byte_vec_new.restype = None
-_byte_vec_new.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_val_new = ffi.wasmtime_component_val_new
-
-
-@frozen
-class Ok:
-    """The `ok` case of a `result<T, E>` a host function returns."""
-
-    value: Any = None
-
-
-@frozen
-class Err:
-    """The `err` case of a `result<T, E>` a host function returns."""
-
-    value: Any = None
-
-
-class ValueMismatch(Exception):
-    """A C value does not have the shape of the cached type (another signature reached us)."""
-
-
-def _kind(name: str) -> int:
-    return int(getattr(ffi, f"WASMTIME_COMPONENT_{name}").value)
-
-
-K_STRING, K_LIST, K_RECORD = map(_kind, ("STRING", "LIST", "RECORD"))
-K_VARIANT, K_OPTION, K_RESULT = map(_kind, ("VARIANT", "OPTION", "RESULT"))
-_DELEGATED_KINDS = {
-    wt.Char: _kind("CHAR"),
-    wt.EnumType: _kind("ENUM"),
-    wt.TupleType: _kind("TUPLE"),
-    wt.FlagsType: _kind("FLAGS"),
-    wt.OwnType: _kind("RESOURCE"),
-    wt.BorrowType: _kind("RESOURCE"),
-}
-
-
-class _Number(NamedTuple):
-    kind: int
-    field: str
-    """The member of the C value union."""
-    dtype: str
-    accepts: tuple[type, ...]
-    bounds: tuple[int, int] | None
-
-
-def _int(kind: str, dtype: str, low: int, high: int) -> _Number:
-    return _Number(_kind(kind), kind.lower(), dtype, (int,), (low, high))
-
-
-_NUMBERS: dict[type, _Number] = {
-    wt.Bool: _Number(_kind("BOOL"), "boolean", "?", (bool,), None),
-    wt.S8: _int("S8", "i1", -(2**7), 2**7 - 1),
-    wt.U8: _int("U8", "u1", 0, 2**8 - 1),
-    wt.S16: _int("S16", "<i2", -(2**15), 2**15 - 1),
-    wt.U16: _int("U16", "<u2", 0, 2**16 - 1),
-    wt.S32: _int("S32", "<i4", -(2**31), 2**31 - 1),
-    wt.U32: _int("U32", "<u4", 0, 2**32 - 1),
-    wt.S64: _int("S64", "<i8", -(2**63), 2**63 - 1),
-    wt.U64: _int("U64", "<u8", 0, 2**64 - 1),
-    wt.F32: _Number(_kind("F32"), "f32", "<f4", (float, int), None),
-    wt.F64: _Number(_kind("F64"), "f64", "<f8", (float, int), None),
-}
-
-
-def _check_kind(c: Any, kind: int) -> None:
-    if c.kind != kind:
-        raise ValueMismatch(f"value of kind {c.kind}, expected {kind}")
-
-
-def _wit(ty: wt.ValType) -> str:
-    return type(ty).__name__.removesuffix("Type").lower()
-
-
-def _classes(ty: wt.ValType | None) -> tuple[type, ...]:
-    """The Python classes a case lifts to (wasmtime-py decides tags and cases by them)."""
-    found: set[type] = {object} if ty is None else set()
-    if ty is not None:
-        ty.add_classes(found)
-    return tuple(found)
-
-
-def _cases(ty: wt.VariantLikeType) -> list[tuple[str, wt.ValType | None]]:
-    return ty._cases()
-
+from pie.sandbox.values import (
+    BULK_MIN,
+    DELEGATED_KINDS,
+    K_LIST,
+    K_OPTION,
+    K_RECORD,
+    K_RESULT,
+    K_STRING,
+    K_VARIANT,
+    NUMBERS,
+    PAYLOAD_OFFSET,
+    VAL,
+    VAL_SIZE,
+    Err,
+    Lift,
+    Lower,
+    Number,
+    Ok,
+    ValueMismatch,
+    byte_vec_new,
+    cases_of,
+    check_kind,
+    classes_of,
+    val_new,
+    wit_name,
+)
 
 # -- lifting ---------------------------------------------------------------------------------
 
 
 def lifter(ty: wt.ValType) -> Lift:
-    number = _NUMBERS.get(type(ty))
+    number = NUMBERS.get(type(ty))
     if number is not None:
         return _lift_number(number.kind, number.field)
     match ty:
@@ -154,12 +76,12 @@ def _bytes_of(vec: Any) -> bytes:
 
 
 def _lift_string(c: Any) -> str:
-    _check_kind(c, K_STRING)
+    check_kind(c, K_STRING)
     return _bytes_of(c.of.string).decode("utf-8")
 
 
 def _element_view(data: Any, n: int, dtype: np.dtype) -> np.ndarray:
-    buffer = (ctypes.c_char * (n * _VAL_SIZE)).from_address(ctypes.addressof(data.contents))
+    buffer = (ctypes.c_char * (n * VAL_SIZE)).from_address(ctypes.addressof(data.contents))
     return np.frombuffer(memoryview(buffer), dtype=dtype)
 
 
@@ -168,23 +90,23 @@ def _val_dtype(fmt: str) -> np.dtype:
         {
             "names": ["kind", "v"],
             "formats": ["u1", fmt],
-            "offsets": [0, _PAYLOAD_OFFSET],
-            "itemsize": _VAL_SIZE,
+            "offsets": [0, PAYLOAD_OFFSET],
+            "itemsize": VAL_SIZE,
         }
     )
 
 
 def _lift_list(element: wt.ValType) -> Lift:
     lift_one = lifter(element)
-    number = _NUMBERS.get(type(element))
+    number = NUMBERS.get(type(element))
     is_bytes = isinstance(element, wt.U8)
     dtype = _val_dtype(number.dtype) if number else None
     kind = number.kind if number else -1
 
     def lift(c: Any) -> Any:
-        _check_kind(c, K_LIST)
+        check_kind(c, K_LIST)
         n, data = c.of.list.size, c.of.list.data
-        if dtype is None or n < _BULK_MIN:
+        if dtype is None or n < BULK_MIN:
             items = [lift_one(data[i]) for i in range(n)]
             return bytes(items) if is_bytes else items
         view = _element_view(data, n, dtype)
@@ -199,7 +121,7 @@ def _lift_record(fields: list[tuple[str, wt.ValType]]) -> Lift:
     plan = [(name, lifter(ty)) for name, ty in fields]
 
     def lift(c: Any) -> Any:
-        _check_kind(c, K_RECORD)
+        check_kind(c, K_RECORD)
         rec = c.of.record
         if rec.size != len(plan):
             raise ValueMismatch(f"record of {rec.size} fields, expected {len(plan)}")
@@ -213,7 +135,7 @@ def _lift_record(fields: list[tuple[str, wt.ValType]]) -> Lift:
 
 
 def _lift_variant_like(ty: wt.VariantLikeType) -> Lift:
-    plan = {name: (lifter(case) if case else None) for name, case in _cases(ty)}
+    plan = {name: (lifter(case) if case else None) for name, case in cases_of(ty)}
     is_tagged = ty._tagged()
     read_case = _case_reader(ty, plan)
 
@@ -232,17 +154,17 @@ def _case_reader(ty: wt.VariantLikeType, plan: dict[str, Any]) -> Callable[[Any]
     """(tag, payload pointer) of an option, result or variant value."""
 
     def option(c: Any) -> Any:
-        _check_kind(c, K_OPTION)
+        check_kind(c, K_OPTION)
         ptr = c.of.option
         return ("some" if ptr else "none"), ptr
 
     def result(c: Any) -> Any:
-        _check_kind(c, K_RESULT)
+        check_kind(c, K_RESULT)
         res = c.of.result
         return ("ok" if res.is_ok else "err"), res.val
 
     def variant(c: Any) -> Any:
-        _check_kind(c, K_VARIANT)
+        check_kind(c, K_VARIANT)
         tag = _bytes_of(c.of.variant.discriminant).decode("utf-8")
         if tag not in plan:
             raise ValueMismatch(f"unknown case {tag}")
@@ -255,10 +177,10 @@ def _case_reader(ty: wt.VariantLikeType, plan: dict[str, Any]) -> Callable[[Any]
 
 def _lift_delegated(ty: wt.ValType) -> Lift:
     """Rare types (char, enum, tuple, flags, resources): wasmtime-py's converter does them."""
-    kind = _DELEGATED_KINDS.get(type(ty), -1)
+    kind = DELEGATED_KINDS.get(type(ty), -1)
 
     def lift(c: Any) -> Any:
-        _check_kind(c, kind)
+        check_kind(c, kind)
         return ty.convert_from_c(c)
 
     return lift
@@ -271,9 +193,9 @@ call_context = threading.local()
 
 
 def lowerer(ty: wt.ValType) -> Lower:
-    number = _NUMBERS.get(type(ty))
+    number = NUMBERS.get(type(ty))
     if number is not None:
-        return _lower_number(_wit(ty), number)
+        return _lower_number(wit_name(ty), number)
     match ty:
         case wt.String():
             return _lower_string
@@ -286,7 +208,7 @@ def lowerer(ty: wt.ValType) -> Lower:
     return _lower_delegated(ty)
 
 
-def _lower_number(name: str, number: _Number) -> Lower:
+def _lower_number(name: str, number: Number) -> Lower:
     kind, field, _, accepts, bounds = number
     low, high = bounds or (0, 0)
 
@@ -305,7 +227,7 @@ def _lower_number(name: str, number: _Number) -> Lower:
 def _name_vec(text: str) -> Any:
     data = text.encode("utf-8")
     vec = ffi.wasm_byte_vec_t()
-    _byte_vec_new(ctypes.byref(vec), len(data), data)
+    byte_vec_new(ctypes.byref(vec), len(data), data)
     return vec
 
 
@@ -341,10 +263,10 @@ def _numbers(v: Any, fmt: str, name: str) -> np.ndarray:
 
 def _lower_list(element: wt.ValType) -> Lower:
     lower_one = lowerer(element)
-    number = _NUMBERS.get(type(element))
+    number = NUMBERS.get(type(element))
     is_bytes = isinstance(element, wt.U8)
     dtype = _val_dtype(number.dtype) if number else None
-    name = _wit(element)
+    name = wit_name(element)
 
     def lower(v: Any, dst: Any) -> None:
         if is_bytes and not isinstance(v, bytes | bytearray | memoryview):
@@ -353,7 +275,7 @@ def _lower_list(element: wt.ValType) -> Lower:
             raise TypeError(f"expected a list for list<{name}>, got {type(v).__name__}")
         n = len(v)
         raw = _new_list(n)
-        if dtype is None or n < _BULK_MIN:
+        if dtype is None or n < BULK_MIN:
             data = raw.data
             for i, item in enumerate(v):
                 lower_one(item, data[i])
@@ -392,9 +314,9 @@ def _boxed(lower_case: Lower | None, payload: Any) -> Any:
         if payload is not None:
             raise TypeError(f"this case carries no payload, got {payload!r}")
         return None
-    raw = _VAL()
+    raw = VAL()
     lower_case(payload, raw)
-    return _val_new(ctypes.byref(raw))
+    return val_new(ctypes.byref(raw))
 
 
 def _choose_case(v: Any, plan: list[tuple[str, Lower | None, tuple[type, ...]]]) -> Any:
@@ -408,8 +330,8 @@ def _choose_case(v: Any, plan: list[tuple[str, Lower | None, tuple[type, ...]]])
 
 
 def _lower_variant_like(ty: wt.VariantLikeType) -> Lower:
-    cases = _cases(ty)
-    plan = [(name, lowerer(c) if c else None, _classes(c)) for name, c in cases]
+    cases = cases_of(ty)
+    plan = [(name, lowerer(c) if c else None, classes_of(c)) for name, c in cases]
     by_tag = {name: lower_case for name, lower_case, _ in plan}
     is_tagged = ty._tagged()
     is_result = isinstance(ty, wt.ResultType)

@@ -22,7 +22,7 @@ from wasmtime.component import LinkerInstance, Record
 from wasmtime.component import _types as wt
 
 from pie.sandbox import codec
-from pie.sandbox.codec import Err, Ok
+from pie.sandbox.values import Err, Ok, ValueMismatch
 
 # -- exceptions that trap a guest --------------------------------------------------------------
 
@@ -164,7 +164,7 @@ class _Signature:
 
     def lift(self, args: Any, nargs: int, nresults: int) -> list[Any]:
         if nargs != len(self.lifts) or nresults != self.returns:
-            raise codec.ValueMismatch(f"{nargs} params and {nresults} results")
+            raise ValueMismatch(f"{nargs} params and {nresults} results")
         return [lift(args[i]) for i, lift in enumerate(self.lifts)]
 
 
@@ -200,9 +200,9 @@ class _HostFunc:
         signature = self.signature
         try:
             if signature is None:
-                raise codec.ValueMismatch("first call")
+                raise ValueMismatch("first call")
             values = signature.lift(args, nargs, nres)
-        except codec.ValueMismatch:
+        except ValueMismatch:
             # The first call, or a component that imports this name with another type.
             signature = self.signature = _Signature.read(ty_raw, self.name)
             values = signature.lift(args, nargs, nres)
