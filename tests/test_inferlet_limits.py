@@ -59,18 +59,29 @@ async def test_eight_inferlets_at_once_share_batches_and_agree(
     assert decode_passes < 8 * 12 / 2
 
 
+async def misbehave_beside_a_completion(
+    real: Real,  # noqa: F811
+    example: Callable[[str], bytes],  # noqa: F811
+    mode: str,
+    **sandbox: Any,
+) -> tuple[Any, Any]:
+    """The misbehaving guest in `mode` and a text completion, launched together."""
+    config, driver, tokenizer = real
+    config = with_sandbox(config, **sandbox)
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        misbehaving = engine.programs.add(example("misbehave")).hash
+        completing = engine.programs.add(example("text-completion")).hash
+        bad, good = await launch_all(
+            engine, [(misbehaving, {"mode": mode}), (completing, COMPLETION)]
+        )
+    return bad, good
+
+
 async def test_a_looping_guest_is_stopped_at_its_budget_while_another_completes(
     real: Real,  # noqa: F811
     example: Callable[[str], bytes],  # noqa: F811
 ) -> None:
-    config, driver, tokenizer = real
-    config = with_sandbox(config, budget_seconds=3.0)
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        looping = engine.programs.add(example("misbehave")).hash
-        completing = engine.programs.add(example("text-completion")).hash
-        loop, done = await launch_all(
-            engine, [(looping, {"mode": "loop"}), (completing, COMPLETION)]
-        )
+    loop, done = await misbehave_beside_a_completion(real, example, "loop", budget_seconds=3.0)
     assert loop.status == "timeout" and "budget" in loop.error
     assert 2.5 < loop.seconds < 6
     assert done.ok and done.result
@@ -92,14 +103,7 @@ async def test_a_guest_over_its_memory_cap_is_stopped_and_others_carry_on(
     real: Real,  # noqa: F811
     example: Callable[[str], bytes],  # noqa: F811
 ) -> None:
-    config, driver, tokenizer = real
-    config = with_sandbox(config, memory_mb=64)
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        hoarder = engine.programs.add(example("misbehave")).hash
-        completing = engine.programs.add(example("text-completion")).hash
-        hoard, done = await launch_all(
-            engine, [(hoarder, {"mode": "alloc"}), (completing, COMPLETION)]
-        )
+    hoard, done = await misbehave_beside_a_completion(real, example, "alloc", memory_mb=64)
     # CPython inside the guest turns the refused memory.grow into a MemoryError.
     assert hoard.status in ("failed", "memory", "trapped")
     assert "MemoryError" in hoard.error or "memory" in hoard.error.lower()
