@@ -16,6 +16,8 @@ from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.kv import RequestFailed
 from pie.sandbox.runtime import GuestStopped, KillSwitch
+from pie.sandbox.values import Err, Ok
+from pie.sandbox.wasm import record
 
 
 class HostFailure(Exception):
@@ -376,8 +378,6 @@ def bind(state: InstanceState | None) -> None:
 
 def host_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps a host function returning `result<T, error>`: HostFailure becomes the error."""
-    from pie.sandbox.wasm import Err, Ok, record
-
     def call(*args: Any) -> Any:
         try:
             return Ok(fn(*args))
