@@ -1,5 +1,5 @@
-"""`pie`: generate | build | run | log | replay | bench. Results go to stdout; progress and logs
-to stderr."""
+"""`pie`: serve | generate | build | run | submit | list | attach | stop | status | auth | log |
+replay | bench. Results go to stdout; progress and logs to stderr."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pie", description="A programmable LLM serving engine.")
     parser.add_argument("--version", action="version", version=f"pie {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the configured model over WebSocket")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8080; 0 picks a free one)")
+    serve.add_argument("--auth", choices=["auto", "on", "off"], help="default: auto")
+    _engine_options(serve)
 
     gen = commands.add_parser("generate", help="complete one prompt on the configured model")
     gen.add_argument("prompt")
@@ -33,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("program", help="a .wasm component made by `pie build`")
     run.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
     _engine_options(run)
+
+    from pie.server.auth_cli import add_auth_parser
+
+    add_auth_parser(commands)
 
     log = commands.add_parser("log", help="print an event log file readably")
     log.add_argument("file")
@@ -85,6 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pie.config import ConfigError
 
     try:
+        if args.command == "serve":
+            from pie.server.main import run_serve
+
+            return run_serve(args)
+        if args.command == "auth":
+            from pie.server.auth_cli import run_auth
+
+            return run_auth(args)
         if args.command == "generate":
             from pie.commands import run_generate
 

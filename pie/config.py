@@ -1,5 +1,5 @@
 """Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log],
-[sandbox].
+[sandbox], [server].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -86,12 +86,36 @@ class SandboxConfig:
 
 
 @frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = field(default=8080, validator=_at_least(0))
+    """0 picks a free port (the server prints the one it got)."""
+    auth: str = field(default="auto", validator=_choice("auto", "on", "off"))
+    """auto: off when `host` is a loopback address, on otherwise."""
+    users_dir: str = ""
+    """Users and their credentials; empty means $PIE_CONFIG_DIR/users or ~/.config/pie/users."""
+    max_frame_mb: int = field(default=16, validator=_at_least(1))
+    max_program_mb: int = field(default=256, validator=_at_least(1))
+    event_buffer: int = field(default=4096, validator=_at_least(1))
+    """Events kept per inferlet for clients that re-attach."""
+    send_buffer: int = field(default=8192, validator=_at_least(1))
+    """Frames queued for one connection before it counts as too slow and is closed."""
+    orphan_seconds: float = 600.0
+    """An inferlet no connection is attached to for this long is terminated."""
+    retain_seconds: float = 600.0
+    """An ended inferlet's events stay readable by re-attaching for this long."""
+    shutdown_seconds: float = 30.0
+    """On SIGINT/SIGTERM, running inferlets get this long to finish before they are stopped."""
+
+
+@frozen(kw_only=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     kv: KvConfig = KvConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     event_log: EventLogConfig = EventLogConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    server: ServerConfig = ServerConfig()
 
 
 class ConfigError(ValueError):

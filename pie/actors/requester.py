@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import trio
@@ -69,15 +69,23 @@ class InferletRun:
         self.queued = queued
         self.events: trio.MemoryReceiveChannel[Any] = requester._runs[instance][1]
 
-    async def outcome(self, on_event: Any = None) -> InferletOutcome:
-        """Waits for the end, handing every other lifecycle event to `on_event`."""
+    async def stream(self) -> AsyncIterator[Any]:
+        """Every lifecycle event in order, the final one (an `InferletEnd`) included."""
         async for event in self.events:
+            yield event
             if isinstance(event, inf_ev.InferletEnd):
                 self.requester._runs.pop(self.instance, None)
+                return
+        raise RuntimeError(f"the engine stopped before inferlet {self.instance} ended")
+
+    async def outcome(self, on_event: Any = None) -> InferletOutcome:
+        """Waits for the end, handing every other lifecycle event to `on_event`."""
+        async for event in self.stream():
+            if isinstance(event, inf_ev.InferletEnd):
                 return outcome_of(event)
             if on_event is not None:
                 on_event(event)
-        raise RuntimeError(f"the engine stopped before inferlet {self.instance} ended")
+        raise AssertionError("stream() ends with an InferletEnd or raises")
 
     async def send(self, text: str | None = None, data: bytes | None = None) -> None:
         """A message for the inferlet's `session.receive`."""

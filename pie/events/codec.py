@@ -6,6 +6,8 @@ JSON type are refused (no silent coercion) and validation errors come back as re
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -71,7 +73,19 @@ def _tagged(union: Any, conv: cattrs.Converter) -> None:
     conv.register_structure_hook(union, structure)
 
 
+def _bytes_from_base64(value: Any, _: Any) -> bytes:
+    if type(value) is not str:
+        raise WrongType(f"expected a base64 string, got {type(value).__name__}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise WrongType("expected a base64 string (standard alphabet, padded)") from None
+
+
 converter = make_converter(forbid_extra_keys=True)
+# Standard base64: readable by every JSON client and C-fast here (base85 is pure Python).
+converter.register_unstructure_hook(bytes, lambda value: base64.b64encode(value).decode())
+converter.register_structure_hook(bytes, _bytes_from_base64)
 converter.register_structure_hook(int, _exact(int))
 converter.register_structure_hook(float, _exact(float, int))
 converter.register_structure_hook(str, _exact(str))

@@ -37,10 +37,18 @@ class ProgramRegistry:
         self._by_hash: dict[str, Program] = {}
         self._by_name: dict[str, dict[str, str]] = {}
 
-    def add(self, wasm: bytes, name: str | None = None, version: str | None = None) -> ProgramInfo:
+    def add(
+        self,
+        wasm: bytes,
+        name: str | None = None,
+        version: str | None = None,
+        *,
+        digest: str | None = None,
+    ) -> ProgramInfo:
+        """Adds a program; `digest`, when the caller has checked it, saves hashing again."""
         if not wasm.startswith(WASM_MAGIC):
             raise ProgramError("not a WebAssembly binary (it does not start with \\0asm)")
-        digest = hashlib.sha256(wasm).hexdigest()
+        digest = digest or hashlib.sha256(wasm).hexdigest()
         name = name or f"program-{digest[:12]}"
         version = version or "0.1.0"
         for label, value in (("name", name), ("version", version)):

@@ -1,0 +1,296 @@
+"""The WebSocket server: one Session per connection, inferlets launched for them through one
+engine requester, their events fanned out to attached connections, and a graceful stop."""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+import trio_websocket
+from attrs import frozen
+
+from pie import __version__
+from pie.actors.inferlet.programs import ProgramError
+from pie.actors.requester import InferletRun, Requester, RequestRefused
+from pie.config import ServerConfig
+from pie.events import inferlet as inf_ev
+from pie.sandbox import InvalidProgram
+from pie.server import messages as msg
+from pie.server.hub import Hub, Refused
+from pie.server.session import Session
+from pie.server.uploads import Upload, check_hash
+
+if TYPE_CHECKING:
+    from pie.engine import Engine
+    from pie.server.auth import UserStore
+
+SWEEP_SECONDS = 0.5
+STOP_WAIT_SECONDS = 10.0
+"""After the grace period: how long terminated inferlets get to report their end."""
+
+
+@frozen(kw_only=True)
+class ServerStatistics:
+    connections: int
+    inferlets_live: int
+    inferlets_retained: int
+
+
+def auth_required(config: ServerConfig) -> bool:
+    if config.auth != "auto":
+        return config.auth == "on"
+    return not _is_loopback(config.host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Server:
+    """Start with `await nursery.start(server.run)` (it reports the bound port); `stop()` ends
+    it gracefully."""
+
+    def __init__(
+        self, engine: Engine, config: ServerConfig, *, users: UserStore | None = None
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.auth_required = auth_required(config)
+        if users is None and self.auth_required:
+            from pie.server.auth import UserStore, default_users_dir
+
+            users = UserStore(Path(config.users_dir) if config.users_dir else default_users_dir())
+        self.users = users
+        self.hub = Hub(
+            event_buffer=config.event_buffer,
+            orphan_seconds=config.orphan_seconds,
+            retain_seconds=config.retain_seconds,
+        )
+        self.sessions: dict[int, Session] = {}
+        self.stopping = False
+        self.port = 0
+        self._connection_ids = itertools.count(1)
+        self._listening = trio.CancelScope()
+        self._stopped = trio.Event()
+        self._compiles = trio.CapacityLimiter(2)
+        self._requester: Requester | None = None
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"ws://{host}:{self.port}"
+
+    async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.engine.requester("server") as requester, trio.open_nursery() as nursery:
+            self._requester, self._nursery = requester, nursery
+            listener = await nursery.start(self._listen)
+            self.port = listener.port
+            nursery.start_soon(self._sweep_forever)
+            task_status.started(self)
+            await self._stopped.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _listen(self, *, task_status: trio.TaskStatus[Any]) -> None:
+        assert self._nursery is not None
+        limit = self.config.max_frame_mb << 20
+        with self._listening:
+            await trio_websocket.serve_websocket(
+                self._connected,
+                self.config.host,
+                self.config.port,
+                None,
+                handler_nursery=self._nursery,
+                # Frames up to twice the limit are read and refused with `too-large`; beyond
+                # that the WebSocket layer closes the connection (1009).
+                max_message_size=2 * limit,
+                receive_buffer_size=1 << 16,
+                task_status=task_status,
+            )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops accepting, lets inferlets finish for `grace` seconds, terminates the rest,
+        delivers every remaining event and closes the connections."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self._listening.cancel()
+        with trio.move_on_after(self.config.shutdown_seconds if grace is None else grace):
+            await self._until(lambda: not self.hub.live_instances())
+        for instance in self.hub.live_instances():
+            await self._terminate_quietly(instance)
+        with trio.move_on_after(STOP_WAIT_SECONDS):
+            await self._until(lambda: not self.hub.live_instances())
+        for session in list(self.sessions.values()):
+            session.finish()
+        with trio.move_on_after(STOP_WAIT_SECONDS):
+            await self._until(lambda: not self.sessions)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def _until(self, condition: Any) -> None:
+        while not condition():
+            await trio.sleep(0.02)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def _connected(self, request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        if self.stopping:
+            await ws.aclose(1001, "server stopping")
+            return
+        connection = next(self._connection_ids)
+        session = Session(self, ws, connection)
+        self.sessions[connection] = session
+        try:
+            await session.run()
+        finally:
+            del self.sessions[connection]
+            self.hub.disconnected(connection, trio.current_time())
+            self._sweep()
+
+    def welcome(self) -> msg.Welcome:
+        return msg.Welcome(
+            protocol=msg.PROTOCOL_VERSION,
+            server=f"pie {__version__}",
+            model=self.engine.info.model_name,
+            auth_required=self.auth_required,
+        )
+
+    def new_nonce(self) -> str:
+        from pie.server.auth import new_nonce
+
+        return new_nonce()
+
+    # -- inferlets -----------------------------------------------------------------------------
+
+    async def launch(self, session: Session, request: msg.Launch) -> msg.Launched:
+        if self.stopping:
+            raise Refused("shutting-down", "the server is stopping")
+        info = self._resolve(request.program)
+        assert self._requester is not None and self._nursery is not None
+        run = await self._requester.launch(info.hash, request.input, user=session.user)
+        self.hub.launched(
+            run.instance,
+            user=session.user,
+            program=f"{info.name}@{info.version}",
+            connection=session.connection,
+            queued=run.queued,
+        )
+        self._nursery.start_soon(self._forward_events, run)
+        return msg.Launched(corr=request.corr, instance=run.instance, queued=run.queued)
+
+    async def _forward_events(self, run: InferletRun) -> None:
+        try:
+            async for event in run.stream():
+                for connection, message in self.hub.record(event, trio.current_time()):
+                    session = self.sessions.get(connection)
+                    if session is not None:
+                        session.post(message)
+        except RuntimeError:  # the engine stopped first; nothing more will come
+            pass
+
+    async def send(self, user: str, request: msg.SendMessage) -> None:
+        self.hub.live(user, request.instance)
+        assert self._requester is not None
+        await self._requester.call(
+            "inferlets",
+            inf_ev.SendToInferlet,
+            instance=request.instance,
+            text=request.text,
+            data=request.data,
+        )
+
+    async def terminate(self, user: str, instance: str) -> None:
+        self.hub.live(user, instance)
+        self.hub.stopping(instance)
+        assert self._requester is not None
+        await self._requester.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
+
+    async def _terminate_quietly(self, instance: str) -> None:
+        assert self._requester is not None
+        try:
+            await self._requester.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
+        except RequestRefused:  # it ended meanwhile
+            pass
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await trio.sleep(SWEEP_SECONDS)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Terminates inferlets left alone too long; forgets ended ones past retention."""
+        if self._nursery is None:
+            return
+        for instance in self.hub.due(trio.current_time()):
+            self._nursery.start_soon(self._terminate_quietly, instance)
+
+    # -- programs and statistics ---------------------------------------------------------------
+
+    def _resolve(self, reference: str) -> Any:
+        try:
+            return self.engine.programs.resolve(reference).info
+        except ProgramError as err:
+            raise Refused("no-such-program", str(err)) from None
+
+    def find_program(self, corr: int, reference: str) -> msg.ProgramFound:
+        return _found(corr, self._resolve(reference))
+
+    async def install(self, corr: int, upload: Upload) -> msg.ProgramFound:
+        """Checks the hash and compiles the component off the event loop, then adds it."""
+        async with self._compiles:
+            await trio.to_thread.run_sync(self._check_and_compile, upload)
+        try:
+            info = self.engine.programs.add(
+                upload.wasm, upload.name, upload.version, digest=upload.hash
+            )
+        except ProgramError as err:
+            raise Refused("bad-upload", str(err)) from None
+        return _found(corr, info)
+
+    def _check_and_compile(self, upload: Upload) -> None:
+        check_hash(upload)
+        try:
+            self.engine.wasm.cache.load(upload.wasm, upload.hash)
+        except InvalidProgram as err:
+            raise Refused("invalid-program", str(err)) from None
+
+    def engine_status(self, corr: int) -> msg.EngineStatus:
+        stats = self.engine.statistics()
+        return msg.EngineStatus(
+            corr=corr,
+            model=self.engine.info.model_name,
+            pages_total=stats.kv.pages_total,
+            pages_free=stats.kv.pages_free,
+            contexts=stats.kv.contexts,
+            passes=stats.inference.passes,
+            mean_batch_size=stats.scheduler.mean_batch_size,
+            last_pass_ms=stats.inference.last_pass_seconds * 1000,
+            inferlets_running=stats.inferlets.running,
+            inferlets_queued=stats.inferlets.queued,
+        )
+
+    def statistics(self) -> ServerStatistics:
+        live = len(self.hub.live_instances())
+        return ServerStatistics(
+            connections=len(self.sessions),
+            inferlets_live=live,
+            inferlets_retained=len(self.hub.tracked) - live,
+        )
+
+
+def _found(corr: int, info: Any) -> msg.ProgramFound:
+    return msg.ProgramFound(
+        corr=corr, hash=info.hash, name=info.name, version=info.version, size=info.size
+    )

@@ -1,0 +1,82 @@
+"""`pie auth add|remove|list`: manage the users that may connect to `pie serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pie.server.auth import AuthError, UserStore, default_users_dir
+
+
+def add_auth_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers `auth` with its subcommands on a `pie` subparsers object."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--users-dir",
+        metavar="DIR",
+        default=None,
+        help="where users live (default: $PIE_CONFIG_DIR/users or ~/.config/pie/users)",
+    )
+    auth = subparsers.add_parser("auth", help="manage the users of `pie serve`")
+    commands = auth.add_subparsers(dest="auth_command", required=True, metavar="ACTION")
+
+    add = commands.add_parser(
+        "add", parents=[common], help="create a user or give it a new token or key"
+    )
+    add.add_argument("user")
+    add.add_argument("--key", metavar="PATH", default=None, help="a public key file to accept")
+    add.add_argument("--no-token", action="store_true", help="do not make a new token")
+
+    remove = commands.add_parser("remove", parents=[common], help="delete a user")
+    remove.add_argument("user")
+    remove.set_defaults(key=None, no_token=False)
+
+    listing = commands.add_parser("list", parents=[common], help="show users and their keys")
+    listing.set_defaults(user=None, key=None, no_token=False)
+
+
+def run_auth(args: argparse.Namespace) -> int:
+    """Runs one `pie auth` action; 0 on success, 2 with a message on stderr otherwise."""
+    store = UserStore(Path(args.users_dir) if args.users_dir else default_users_dir())
+    try:
+        if args.auth_command == "add":
+            _add(store, args.user, key_path=args.key, token=not args.no_token)
+        elif args.auth_command == "remove":
+            store.remove(args.user)
+            print(f"removed user {args.user}", file=sys.stderr)
+        elif args.auth_command == "list":
+            _list(store)
+        else:
+            raise AuthError(f"unknown action {args.auth_command!r}: use add, remove or list")
+    except AuthError as exc:
+        print(f"pie auth: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _read_key(key_path: str) -> str:
+    try:
+        return Path(key_path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuthError(f"cannot read public key file {key_path}: {exc}") from exc
+
+
+def _add(store: UserStore, user: str, *, key_path: str | None, token: bool) -> None:
+    public_key = _read_key(key_path) if key_path is not None else None
+    new_token = store.add(user, token=token, public_key=public_key)
+    if public_key is not None:
+        print(f"user {user} accepts the key {key_path}", file=sys.stderr)
+    if new_token is not None:
+        print(new_token)
+        print(f"the token of user {user}: keep it, it is shown only once", file=sys.stderr)
+
+
+def _list(store: UserStore) -> None:
+    rows = [("user", "token", "keys")]
+    for record in store.list():
+        keys = ", ".join(record.keys) if record.keys else "-"
+        rows.append((record.name, "yes" if record.has_token else "no", keys))
+    width = max(len(row[0]) for row in rows)
+    for name, has_token, keys in rows:
+        print(f"{name:<{width}}  {has_token:<5}  {keys}")

@@ -1,0 +1,157 @@
+"""The server's bookkeeping of the inferlets it launched: owner, state, recent events and which
+connections are attached. Pure (no I/O, no trio): the server feeds it events and the time."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from attrs import define, field
+
+from pie.events import inferlet as ev
+from pie.server.messages import InferletEvent, InferletSummary
+
+Delivery = tuple[int, InferletEvent]
+"""(connection id, the message for it)."""
+
+
+class Refused(Exception):
+    """A request about an inferlet that cannot be served; `kind` is a protocol failure kind."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@define
+class Tracked:
+    instance: str
+    user: str
+    program: str
+    state: str
+    """queued, running, stopping or ended."""
+    events: collections.deque[InferletEvent] = field(factory=collections.deque)
+    next_seq: int = 1
+    attached: set[int] = field(factory=set)
+    alone_since: float | None = None
+    """When the last attached connection went; None while one is attached."""
+    ended_at: float | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.state != "ended"
+
+    def summary(self) -> InferletSummary:
+        return InferletSummary(
+            instance=self.instance,
+            program=self.program,
+            user=self.user,
+            state=self.state,
+            attached=bool(self.attached),
+        )
+
+
+class Hub:
+    def __init__(
+        self,
+        *,
+        event_buffer: int = 4096,
+        orphan_seconds: float = 600.0,
+        retain_seconds: float = 600.0,
+    ) -> None:
+        self.event_buffer = event_buffer
+        self.orphan_seconds = orphan_seconds
+        self.retain_seconds = retain_seconds
+        self.tracked: dict[str, Tracked] = {}
+
+    def launched(
+        self, instance: str, *, user: str, program: str, connection: int, queued: bool
+    ) -> None:
+        """A launch by `connection`, which is attached from the start."""
+        state = "queued" if queued else "running"
+        self.tracked[instance] = Tracked(
+            instance=instance, user=user, program=program, state=state, attached={connection}
+        )
+
+    def record(self, event: Any, now: float) -> list[Delivery]:
+        """Buffers a lifecycle event and says which connections must get it."""
+        tracked = self.tracked.get(event.instance)
+        if tracked is None:
+            return []
+        message = InferletEvent(instance=tracked.instance, seq=tracked.next_seq, event=event)
+        tracked.next_seq += 1
+        tracked.events.append(message)
+        if len(tracked.events) > self.event_buffer:
+            tracked.events.popleft()
+        if isinstance(event, ev.InferletStarted) and tracked.state == "queued":
+            tracked.state = "running"
+        elif isinstance(event, ev.InferletEnd):
+            tracked.state = "ended"
+            tracked.ended_at = now
+        return [(connection, message) for connection in tracked.attached]
+
+    def owned(self, user: str, instance: str) -> Tracked:
+        """The tracked inferlet, if `user` owns it; raises Refused otherwise."""
+        tracked = self.tracked.get(instance)
+        if tracked is None:
+            raise Refused("no-such-inferlet", f"no inferlet {instance!r}")
+        if tracked.user != user:
+            raise Refused("not-owner", f"inferlet {instance} belongs to another user")
+        return tracked
+
+    def live(self, user: str, instance: str) -> Tracked:
+        tracked = self.owned(user, instance)
+        if not tracked.live:
+            raise Refused("no-such-inferlet", f"inferlet {instance} has ended")
+        return tracked
+
+    def attach(self, connection: int, user: str, instance: str, after: int) -> list[InferletEvent]:
+        """Attaches `connection` and returns the buffered events it has not seen."""
+        tracked = self.owned(user, instance)
+        tracked.attached.add(connection)
+        tracked.alone_since = None
+        return [message for message in tracked.events if message.seq > after]
+
+    def detach(self, connection: int, user: str, instance: str, now: float) -> None:
+        tracked = self.owned(user, instance)
+        self._leave(tracked, connection, now)
+
+    def disconnected(self, connection: int, now: float) -> None:
+        for tracked in self.tracked.values():
+            if connection in tracked.attached:
+                self._leave(tracked, connection, now)
+
+    def _leave(self, tracked: Tracked, connection: int, now: float) -> None:
+        tracked.attached.discard(connection)
+        if not tracked.attached and tracked.alone_since is None:
+            tracked.alone_since = now
+
+    def stopping(self, instance: str) -> None:
+        tracked = self.tracked.get(instance)
+        if tracked is not None and tracked.live:
+            tracked.state = "stopping"
+
+    def due(self, now: float) -> list[str]:
+        """Live inferlets alone for `orphan_seconds`, now marked stopping (the caller terminates
+        them); ended ones past `retain_seconds` are forgotten."""
+        orphans = []
+        for tracked in list(self.tracked.values()):
+            if not tracked.live:
+                assert tracked.ended_at is not None
+                if now - tracked.ended_at >= self.retain_seconds:
+                    del self.tracked[tracked.instance]
+            elif _alone_for(tracked, now) >= self.orphan_seconds and tracked.state != "stopping":
+                tracked.state = "stopping"
+                orphans.append(tracked.instance)
+        return orphans
+
+    def of_user(self, user: str) -> list[InferletSummary]:
+        return [t.summary() for t in self.tracked.values() if t.user == user and t.live]
+
+    def live_instances(self) -> list[str]:
+        return [t.instance for t in self.tracked.values() if t.live]
+
+
+def _alone_for(tracked: Tracked, now: float) -> float:
+    return -1.0 if tracked.alone_since is None else now - tracked.alone_since

@@ -1,0 +1,64 @@
+"""A live server for tests: an engine on the synthetic driver (or a given one) behind the
+WebSocket server on 127.0.0.1, port 0."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pie.config import EngineConfig, with_overrides
+from pie.drivers.loader.resolve import resolve_model
+from pie.drivers.synthetic import SyntheticDriver
+from pie.drivers.tokenizer import Tokenizer
+from pie.engine import open_engine
+from pie.server.app import Server
+
+_TOKENIZER: list[Tokenizer] = []
+
+
+PYTEST_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "d"
+"""Where `pytestconfig.cache.mkdir(name)` puts its folders."""
+
+
+def default_tokenizer() -> Tokenizer:
+    """The default model's tokenizer, read once per test run from the model converted into
+    pytest's cache folder (where tests/model_fixtures.py puts it)."""
+    if not _TOKENIZER:
+        cache = PYTEST_CACHE / "pie-models"
+        _TOKENIZER.append(Tokenizer.from_folder(resolve_model(None, cache_dir=cache)))
+    return _TOKENIZER[0]
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    tmp_path: Path,
+    *,
+    driver: Any = None,
+    tokenizer: Any = None,
+    config: EngineConfig | None = None,
+    users: Any = None,
+    **server: Any,
+) -> AsyncIterator[Server]:
+    """Yields the running Server (`.url`, `.engine`); stops it gracefully on exit.
+
+    Keyword arguments override [server] keys; without `config`, compiled components are cached
+    in pytest's cache folder, as the other inferlet tests do.
+    """
+    tokenizer = tokenizer or default_tokenizer()
+    components = PYTEST_CACHE / "pie-components"
+    driver = driver or SyntheticDriver(vocab_size=tokenizer.vocab_size)
+    config = config or with_overrides(EngineConfig(), sandbox={"cache_dir": str(components)})
+    config = with_overrides(config, server={"host": "127.0.0.1", "port": 0, **server})
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        server_ = Server(engine, config.server, users=users)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server_.run)
+            try:
+                yield server_
+            finally:
+                with trio.CancelScope(shield=True):
+                    await server_.stop(grace=5)
