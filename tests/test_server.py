@@ -12,65 +12,19 @@ from typing import Any
 
 import pytest
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
+from trio_websocket import ConnectionClosed
 
 from pie.events import inferlet as ev
 from pie.server import messages as msg
-from pie.server.protocol import decode_server_frame, encode_frame
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import serving
+from tests.server_fixtures import Raw, connect, serving
 
 
 @pytest.fixture(scope="module")
 def relay(built: Callable[[Path], Path], default_model_dir: Path) -> bytes:  # noqa: F811
     return built(GUESTS / "relay").read_bytes()
-
-
-class Raw:
-    """A bare protocol client: numbered requests, every frame decoded."""
-
-    def __init__(self, ws: WebSocketConnection) -> None:
-        self.ws = ws
-        self.corr = 0
-        self.pending: list[Any] = []
-
-    async def send(self, make: Any, **fields: Any) -> int:
-        self.corr += 1
-        await self.ws.send_message(encode_frame(make(corr=self.corr, **fields)))
-        return self.corr
-
-    async def next(self) -> Any:
-        if self.pending:
-            return self.pending.pop(0)
-        return decode_server_frame(await self.ws.get_message())
-
-    async def reply(self, corr: int) -> Any:
-        """The reply to `corr`; events that come first are kept for `next`."""
-        skipped = []
-        while True:
-            message = decode_server_frame(await self.ws.get_message())
-            if getattr(message, "corr", None) == corr:
-                self.pending.extend(skipped)
-                return message
-            skipped.append(message)
-
-    async def call(self, make: Any, **fields: Any) -> Any:
-        return await self.reply(await self.send(make, **fields))
-
-    async def until_end(self, instance: str) -> list[msg.InferletEvent]:
-        seen = []
-        while True:
-            message = await self.next()
-            if isinstance(message, msg.InferletEvent) and message.instance == instance:
-                seen.append(message)
-                if isinstance(message.event, ev.InferletEnd):
-                    return seen
-
-
-async def connect(url: str) -> Any:
-    return open_websocket_url(url, max_message_size=64 << 20)
 
 
 async def install(raw: Raw, wasm: bytes, name: str, chunk: int = 1 << 20) -> msg.ProgramFound:
