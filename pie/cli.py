@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from pie import __version__
 
+CLIENT_COMMANDS = ("submit", "list", "attach", "stop", "status")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pie", description="A programmable LLM serving engine.")
@@ -40,8 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
     _engine_options(run)
 
+    from pie.client.cli import add_client_parsers
     from pie.server.auth_cli import add_auth_parser
 
+    add_client_parsers(commands)
     add_auth_parser(commands)
 
     log = commands.add_parser("log", help="print an event log file readably")
@@ -99,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pie.server.main import run_serve
 
             return run_serve(args)
+        if args.command in CLIENT_COMMANDS:
+            from pie.client import cli as client_cli
+
+            return getattr(client_cli, f"run_{args.command}")(args)
         if args.command == "auth":
             from pie.server.auth_cli import run_auth
 

@@ -1,0 +1,56 @@
+"""The Python client for a pie server: `connect` (Trio) and `SyncClient` (plain threads)."""
+
+from __future__ import annotations
+
+from pie.client.connection import DEFAULT_URL, Client, connect
+from pie.client.errors import (
+    AuthenticationFailed,
+    CannotConnect,
+    ConnectionLost,
+    EventsOverflowed,
+    NoSuchInferlet,
+    NoSuchProgram,
+    NotOwner,
+    PieError,
+    ServerError,
+)
+from pie.client.inferlet import Outcome, ProgramInfo, RemoteInferlet
+from pie.client.sync import SyncClient, SyncInferlet
+from pie.events.inferlet import (
+    InferletFailed,
+    InferletOutput,
+    InferletReturned,
+    InferletStarted,
+    InferletTerminated,
+    SessionMessage,
+)
+from pie.server.messages import EngineStatus, InferletSummary, Welcome
+
+__all__ = [
+    "DEFAULT_URL",
+    "AuthenticationFailed",
+    "CannotConnect",
+    "Client",
+    "ConnectionLost",
+    "EngineStatus",
+    "EventsOverflowed",
+    "InferletFailed",
+    "InferletOutput",
+    "InferletReturned",
+    "InferletStarted",
+    "InferletSummary",
+    "InferletTerminated",
+    "NoSuchInferlet",
+    "NoSuchProgram",
+    "NotOwner",
+    "Outcome",
+    "PieError",
+    "ProgramInfo",
+    "RemoteInferlet",
+    "ServerError",
+    "SessionMessage",
+    "SyncClient",
+    "SyncInferlet",
+    "Welcome",
+    "connect",
+]

@@ -1,0 +1,271 @@
+"""The bodies of `pie submit`, `pie list`, `pie attach`, `pie stop` and `pie status`: the client
+against a running `pie serve`. Results go to stdout; progress, notes and errors to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from pie.client.connection import DEFAULT_URL, Client, connect
+from pie.client.errors import CannotConnect, ConnectionLost, PieError, ServerError
+from pie.client.inferlet import Outcome, RemoteInferlet
+from pie.events import inferlet as ev
+
+INTERRUPTED = 130
+
+
+def add_client_parsers(subparsers: Any) -> None:
+    """Registers submit, list, attach, stop and status on `pie`'s sub-command parsers."""
+    submit = subparsers.add_parser("submit", help="install an inferlet on a server and run it")
+    submit.add_argument(
+        "program", help="a .wasm component made by `pie build`, or an inferlet folder to build"
+    )
+    submit.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
+    submit.add_argument("--name", help="install under this name (default: the file's stem)")
+    submit.add_argument("--version", default="0.1.0", help="install under this version")
+    submit.add_argument("--detach", action="store_true", help="print the instance id and leave")
+    listing = subparsers.add_parser("list", help="your inferlets on a server")
+    attach = subparsers.add_parser("attach", help="stream a running inferlet's output")
+    attach.add_argument("instance")
+    attach.add_argument("--after", type=int, default=0, help="replay events after this seq")
+    stop = subparsers.add_parser("stop", help="terminate an inferlet")
+    stop.add_argument("instance")
+    status = subparsers.add_parser("status", help="a server's engine statistics")
+    for parser in (submit, listing, attach, stop, status):
+        _connection_options(parser)
+
+
+def _program_bytes(path: Path) -> bytes:
+    """A component's bytes; an inferlet folder is built first (cached by its inputs)."""
+    if not path.is_dir():
+        return path.read_bytes()
+    from pie.build import cached_build
+    from pie.drivers.loader.resolve import default_cache_dir
+
+    _note(f"building {path} (cached after the first time)")
+    return cached_build(path.resolve(), default_cache_dir() / "inferlets").read_bytes()
+
+
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    server = os.environ.get("PIE_SERVER", DEFAULT_URL)
+    parser.add_argument("--server", default=server, help=f"WebSocket URL (default: {server})")
+    parser.add_argument("--user", default=os.environ.get("PIE_USER"), help="authenticate as")
+    parser.add_argument("--token", default=os.environ.get("PIE_TOKEN"), help="a user's token")
+    parser.add_argument("--key", help="sign the server's challenge with this private key")
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    path = Path(args.program)
+    try:
+        wasm = _program_bytes(path)
+    except OSError as exc:
+        _note(f"cannot read {path}: {exc.strerror or exc}")
+        return 2
+
+    async def submit(client: Client) -> int:
+        bar = _UploadBar()
+        try:
+            name = args.name or path.stem
+            info = await client.install(wasm, name=name, version=args.version, progress=bar)
+        finally:
+            bar.close()
+        inferlet = await client.launch(info.hash, args.input)
+        if args.detach:
+            print(inferlet.instance)
+            return 0
+        if inferlet.queued:
+            _note(f"{inferlet.instance} waits for a free slot")
+        return await _follow(client, inferlet)
+
+    return _run(args, submit)
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    async def attach(client: Client) -> int:
+        return await _follow(client, await client.attach(args.instance, after=args.after))
+
+    return _run(args, attach)
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    async def stop(client: Client) -> int:
+        await client.terminate(args.instance)
+        return 0
+
+    return _run(args, stop)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    async def listing(client: Client) -> int:
+        rows = [("INSTANCE", "PROGRAM", "STATE", "ATTACHED")]
+        for item in await client.list():
+            attached = "yes" if item.attached else "no"
+            rows.append((item.instance, _short(item.program), item.state, attached))
+        print(_table(rows))
+        return 0
+
+    return _run(args, listing)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    async def status(client: Client) -> int:
+        stats = attrs.asdict(await client.statistics())
+        stats.pop("corr")
+        print(_table([(name, _number(value)) for name, value in stats.items()]))
+        return 0
+
+    return _run(args, status)
+
+
+# -- running a command -------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
+    """Connects as the options say, runs `body`, and turns failures into messages and codes."""
+    user = args.user
+    if user is None and (args.token or args.key):
+        user = getpass.getuser()
+    options: dict[str, Any] = {"user": user, "token": args.token, "key": args.key}
+    options["key_password"] = os.environ.get("PIE_KEY_PASSWORD")
+
+    async def main() -> int:
+        async with connect(args.server, **options) as client:
+            return await body(client)
+
+    try:
+        return trio.run(main)
+    except CannotConnect as exc:
+        _note(f"cannot reach {exc.url}: {exc.reason}")
+        return 2
+    except ConnectionLost as exc:
+        _note(str(exc))
+        return 2
+    except ServerError as exc:
+        _note(f"{exc.kind}: {exc.message}")
+        return 1
+    except PieError as exc:
+        _note(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        return INTERRUPTED
+
+
+async def _follow(client: Client, inferlet: RemoteInferlet) -> int:
+    """Streams the inferlet's output until it ends; Ctrl-C detaches and leaves it running."""
+    console = _Console()
+    with trio.CancelScope() as scope, _interrupt_cancels(scope):
+        while (event := await inferlet.next_event()) is not None:
+            console.show(event)
+    if scope.cancelled_caught:
+        with trio.move_on_after(5):
+            await inferlet.detach()
+        console.end_line()
+        _note(f"detached; {inferlet.instance} keeps running")
+        _note(f"follow it again with: pie attach {inferlet.instance} --after {inferlet.last_seq}")
+        return INTERRUPTED
+    if inferlet.outcome is None:
+        _note(f"the stream of {inferlet.instance} ended before the inferlet did")
+        return 1
+    return console.finish(inferlet.outcome)
+
+
+@contextmanager
+def _interrupt_cancels(scope: trio.CancelScope) -> Iterator[None]:
+    """Ctrl-C cancels `scope` instead of raising KeyboardInterrupt wherever the loop is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; elsewhere Ctrl-C cannot reach us
+        return
+    token = trio.lowlevel.current_trio_token()
+    previous = signal.signal(signal.SIGINT, lambda *_: token.run_sync_soon(scope.cancel))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Console:
+    """Writes an inferlet's output as it comes; keeps the result on a line of its own."""
+
+    def __init__(self) -> None:
+        self._mid_line = False
+
+    def show(self, event: Any) -> None:
+        if isinstance(event, ev.InferletOutput) and event.stream == "stderr":
+            _write(sys.stderr, event.text)
+        elif isinstance(event, ev.InferletOutput):
+            self._stdout(event.text)
+        elif isinstance(event, ev.SessionMessage) and event.text is not None:
+            self._stdout(event.text)  # generated tokens often stream as session messages
+        elif isinstance(event, ev.SessionMessage):
+            _note(f"session message of {len(event.data or b'')} bytes")
+
+    def end_line(self) -> None:
+        if self._mid_line:
+            self._stdout("\n")
+
+    def finish(self, outcome: Outcome) -> int:
+        self.end_line()
+        if outcome.ok:
+            print(outcome.result, flush=True)
+            return 0
+        _note(f"{outcome.instance} {outcome.status}: {outcome.error}")
+        return 1
+
+    def _stdout(self, text: str) -> None:
+        if text:
+            _write(sys.stdout, text)
+            self._mid_line = not text.endswith("\n")
+
+
+class _UploadBar:
+    """A tqdm bar on stderr, opened by the first chunk, so a program already installed shows
+    nothing."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def __call__(self, sent: int, total: int) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="upload", file=sys.stderr)
+        self._bar.update(sent - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _write(stream: Any, text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+def _note(text: str) -> None:
+    print(f"pie: {text}", file=sys.stderr, flush=True)
+
+
+def _short(program: str) -> str:
+    is_hash = len(program) == 64 and all(c in "0123456789abcdef" for c in program)
+    return program[:12] if is_hash else program
+
+
+def _number(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(line.rstrip() for line in lines)

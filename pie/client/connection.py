@@ -1,0 +1,378 @@
+"""The Trio client: one WebSocket to a pie server, requests matched to replies by `corr`, and
+each followed inferlet's events kept in its own bounded queue until read."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
+from trio_websocket import open_websocket_url as _open_websocket_url
+
+from pie.client.errors import (
+    AuthenticationFailed,
+    CannotConnect,
+    ConnectionLost,
+    EventsOverflowed,
+    NoSuchProgram,
+    PieError,
+    server_error,
+)
+from pie.client.inferlet import FINAL_EVENTS, ProgramInfo, RemoteInferlet, Subscription
+from pie.server import messages as msg
+from pie.server.protocol import DEFAULT_MAX_FRAME, FrameError, decode_server_frame, encode_frame
+
+DEFAULT_URL = "ws://127.0.0.1:8080"
+CHUNK_SIZE = 1 << 20
+CONNECT_SECONDS = 30.0
+_REPLY_BUFFER = 4  # every request gets one reply; a little slack costs nothing
+
+
+class Client:
+    """A connection to a pie server; made by `connect`. Methods may be called from any number
+    of tasks at once."""
+
+    def __init__(self, ws: WebSocketConnection, url: str, max_frame: int) -> None:
+        self.url = url
+        self.welcome: msg.Welcome | None = None
+        self.user: str | None = None
+        self._ws = ws
+        self._max_frame = max_frame
+        self._corrs = itertools.count(1)
+        self._waiters: dict[int, trio.MemorySendChannel[Any]] = {}
+        self._launching: dict[int, Subscription] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._lost: ConnectionLost | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def query_program(self, ref: str) -> ProgramInfo | None:
+        """The installed program named by `ref` (content hash, name or name@version), or None."""
+        try:
+            found = await self._call(msg.QueryProgram(corr=self._corr(), program=ref))
+        except NoSuchProgram:
+            return None
+        return _info(found)
+
+    async def install(
+        self,
+        wasm: bytes | Path,
+        *,
+        name: str | None = None,
+        version: str = "0.1.0",
+        chunk_size: int = CHUNK_SIZE,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> ProgramInfo:
+        """Installs a program, uploading it only when the server lacks it (under `name@version`
+        when a name is given). `progress(sent, total)` is called per uploaded chunk."""
+        data = wasm.read_bytes() if isinstance(wasm, Path) else bytes(wasm)
+        digest = hashlib.sha256(data).hexdigest()
+        found = await self.query_program(digest if name is None else f"{name}@{version}")
+        if found is not None and found.hash == digest:
+            return found
+        if name is None:
+            name = wasm.stem if isinstance(wasm, Path) else digest[:12]
+        return await self._upload(data, digest, name, version, chunk_size, progress)
+
+    async def launch(self, program: str, input: str | dict[str, Any] = "") -> RemoteInferlet:
+        """Starts `program` (hash, name or name@version) and follows its events from seq 1."""
+        text = input if isinstance(input, str) else json.dumps(input)
+        corr = self._corr()
+        sub = self._launching[corr] = Subscription("")
+        try:
+            launched = await self._call(msg.Launch(corr=corr, program=program, input=text))
+        finally:
+            del self._launching[corr]
+        return RemoteInferlet(self, sub, queued=launched.queued)
+
+    async def attach(self, instance: str, after: int = 0) -> RemoteInferlet:
+        """Follows a running (or recently ended) inferlet, replaying its events after `after`."""
+        sub = self._subscribe(Subscription(instance))
+        try:
+            await self._call(msg.Attach(corr=self._corr(), instance=instance, after=after))
+        except BaseException:
+            self._unsubscribe(sub)
+            raise
+        inferlet = RemoteInferlet(self, sub)
+        inferlet.last_seq = after
+        return inferlet
+
+    async def send(self, instance: str, message: str | bytes) -> None:
+        text, data = (message, None) if isinstance(message, str) else (None, bytes(message))
+        request = msg.SendMessage(corr=self._corr(), instance=instance, text=text, data=data)
+        await self._call(request)
+
+    async def detach(self, instance: str) -> None:
+        """Stops following an inferlet; it keeps running."""
+        await self._call(msg.Detach(corr=self._corr(), instance=instance))
+        sub = self._subs.get(instance)
+        if sub is not None:
+            self._unsubscribe(sub)
+
+    async def terminate(self, instance: str) -> None:
+        """Asks the server to stop an inferlet; its final event follows to attached clients."""
+        await self._call(msg.Terminate(corr=self._corr(), instance=instance))
+
+    async def statistics(self) -> msg.EngineStatus:
+        reply: msg.EngineStatus = await self._call(msg.QueryStatistics(corr=self._corr()))
+        return reply
+
+    async def close(self) -> None:
+        await self._ws.aclose()
+
+    async def list(self) -> builtins.list[msg.InferletSummary]:
+        """This user's inferlets that are queued, running or stopping."""
+        reply = await self._call(msg.ListInferlets(corr=self._corr()))
+        return list(reply.inferlets)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _corr(self) -> int:
+        return next(self._corrs)
+
+    async def _call(self, request: Any, progress: Callable[[int], None] | None = None) -> Any:
+        """Sends `request` and returns its reply; `UploadProgress` replies go to `progress`
+        until the one that ends the exchange."""
+        replies = self._expect_replies(request.corr)
+        try:
+            await self._send(request)
+            while True:
+                reply = await self._next_reply(replies)
+                if isinstance(reply, msg.Failure):
+                    raise server_error(reply.kind, reply.message)
+                if not isinstance(reply, msg.UploadProgress) or progress is None:
+                    return reply
+                progress(reply.received)
+        finally:
+            del self._waiters[request.corr]
+
+    def _expect_replies(self, corr: int) -> trio.MemoryReceiveChannel[Any]:
+        if self._lost is not None:
+            raise self._lost
+        send, receive = trio.open_memory_channel[Any](_REPLY_BUFFER)
+        self._waiters[corr] = send
+        return receive
+
+    async def _send(self, request: Any) -> None:
+        try:
+            await self._ws.send_message(encode_frame(request))
+        except ConnectionClosed as exc:
+            self._lose(ConnectionLost(f"connection to {self.url} closed: {_why(exc)}"))
+            raise self._lost from None  # type: ignore[misc]
+
+    async def _next_reply(self, replies: trio.MemoryReceiveChannel[Any]) -> Any:
+        try:
+            return await replies.receive()
+        except trio.EndOfChannel:
+            raise self._lost or ConnectionLost("connection closed") from None
+
+    async def _upload(
+        self,
+        data: bytes,
+        digest: str,
+        name: str,
+        version: str,
+        chunk_size: int,
+        progress: Callable[[int, int], None] | None,
+    ) -> ProgramInfo:
+        count = max(1, -(-len(data) // chunk_size))
+        report = _ignore if progress is None else (lambda received: progress(received, len(data)))
+        reply = None
+        for index in range(count):
+            chunk = data[index * chunk_size : (index + 1) * chunk_size]
+            request = msg.UploadProgram(
+                corr=self._corr(), name=name, version=version, hash=digest, size=len(data),
+                index=index, count=count, data=chunk,
+            )  # fmt: skip
+            last = index == count - 1
+            # The last chunk's answer is ProgramFound once compiled, maybe after its progress.
+            reply = await self._call(request, progress=_ignore if last else None)
+            if isinstance(reply, msg.UploadProgress):
+                report(reply.received)
+        if not isinstance(reply, msg.ProgramFound):
+            raise PieError(f"the server did not confirm the upload of {name}@{version}")
+        report(len(data))
+        return _info(reply)
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        try:
+            first = decode_server_frame(await self._ws.get_message(), self._max_frame)
+        except (ConnectionClosed, FrameError) as exc:
+            raise CannotConnect(self.url, f"no welcome from the server ({exc})") from None
+        if not isinstance(first, msg.Welcome):
+            raise CannotConnect(self.url, f"expected Welcome, got {type(first).__name__}")
+        if first.protocol != msg.PROTOCOL_VERSION:
+            raise CannotConnect(self.url, f"the server speaks protocol {first.protocol}")
+        self.welcome = first
+        self._nursery = nursery
+        nursery.start_soon(self._read_loop)
+
+    async def _authenticate(
+        self, user: str | None, token: str | None, key: Path | None, password: str | None
+    ) -> None:
+        if user is None:
+            return
+        signature = None
+        if key is not None:
+            challenge = await self._call(msg.RequestChallenge(corr=self._corr(), user=user))
+            signature = _sign(key, challenge.nonce, password)
+        request = msg.Authenticate(corr=self._corr(), user=user, token=token, signature=signature)
+        self.user = (await self._call(request)).user
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = await self._ws.get_message()
+                self._dispatch(decode_server_frame(frame, self._max_frame))
+        except ConnectionClosed as exc:
+            self._lose(ConnectionLost(f"connection to {self.url} closed: {_why(exc)}"))
+        except FrameError as exc:
+            self._lose(ConnectionLost(f"unreadable frame from {self.url}: {exc}"))
+            await self._ws.aclose()
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, msg.InferletEvent):
+            self._deliver(message)
+            return
+        corr = getattr(message, "corr", None)
+        if isinstance(message, msg.Launched) and corr in self._launching:
+            sub = self._launching[corr]
+            sub.instance = message.instance
+            self._subscribe(sub)
+        waiter = self._waiters.get(corr)  # type: ignore[arg-type]
+        if waiter is not None:
+            try:
+                waiter.send_nowait(message)
+            except trio.WouldBlock:
+                pass  # more replies than any request gets: the server is wrong, not this one
+
+    def _deliver(self, message: msg.InferletEvent) -> None:
+        sub = self._subs.get(message.instance)
+        if sub is None:
+            return  # an inferlet this client no longer follows
+        try:
+            sub.send.send_nowait(message)
+        except trio.WouldBlock:
+            # Blocking here would stall every reply and every other inferlet on this connection.
+            self._unsubscribe(sub, EventsOverflowed(sub.instance, message.seq - 1))
+            assert self._nursery is not None
+            self._nursery.start_soon(self._detach_quietly, sub.instance)
+            return
+        if isinstance(message.event, FINAL_EVENTS):
+            sub.ended = True
+            self._unsubscribe(sub)
+
+    async def _detach_quietly(self, instance: str) -> None:
+        with trio.move_on_after(CONNECT_SECONDS):
+            try:
+                await self._call(msg.Detach(corr=self._corr(), instance=instance))
+            except PieError:
+                pass  # the inferlet ended or the connection went: nothing left to detach
+
+    def _subscribe(self, sub: Subscription) -> Subscription:
+        old = self._subs.get(sub.instance)
+        if old is not None:
+            old.close(PieError(f"{sub.instance} was attached again on this connection"))
+        self._subs[sub.instance] = sub
+        return sub
+
+    def _unsubscribe(self, sub: Subscription, error: PieError | None = None) -> None:
+        if self._subs.get(sub.instance) is sub:
+            del self._subs[sub.instance]
+        sub.close(error)
+
+    def _lose(self, error: ConnectionLost) -> None:
+        """Fails every waiting request and event stream; later calls raise `error` at once."""
+        if self._lost is not None:
+            return
+        self._lost = error
+        for waiter in self._waiters.values():
+            waiter.close()
+        for sub in list(self._subs.values()) + list(self._launching.values()):
+            self._unsubscribe(sub, error)
+
+
+def _info(found: msg.ProgramFound) -> ProgramInfo:
+    return ProgramInfo(hash=found.hash, name=found.name, version=found.version, size=found.size)
+
+
+def _ignore(received: int) -> None:
+    pass
+
+
+def _why(exc: ConnectionClosed) -> str:
+    reason = exc.reason
+    return f"{reason.code} {reason.reason or reason.name}" if reason is not None else "closed"
+
+
+def _sign(key: Path, nonce: str, password: str | None) -> str:
+    from pie.server.auth import AuthError, sign_nonce
+
+    try:
+        return sign_nonce(key, nonce, password)
+    except AuthError as exc:
+        raise AuthenticationFailed("unauthenticated", str(exc)) from None
+
+
+@asynccontextmanager
+async def connect(
+    url: str = DEFAULT_URL,
+    *,
+    user: str | None = None,
+    token: str | None = None,
+    key: Path | str | None = None,
+    key_password: str | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> AsyncIterator[Client]:
+    """Opens a connection, reads the server's `Welcome` and, when `user` is given, authenticates
+    (with `token`, or by signing a challenge with the private `key`; neither when auth is off).
+    Raises `CannotConnect` or `AuthenticationFailed`."""
+    if (token is not None or key is not None) and user is None:
+        raise ValueError("a token or key needs a user")
+    async with AsyncExitStack() as stack:
+        ws = await _open(stack, url, max_frame)
+        client = Client(ws, url, max_frame)
+        try:
+            async with trio.open_nursery() as nursery:
+                await client._start(nursery)
+                try:
+                    await client._authenticate(
+                        user, token, None if key is None else Path(key), key_password
+                    )
+                    yield client
+                finally:
+                    client._lose(ConnectionLost(f"the connection to {url} was closed"))
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            _reraise(_sole(group))
+
+
+async def _open(stack: AsyncExitStack, url: str, max_frame: int) -> WebSocketConnection:
+    opening = _open_websocket_url(url, max_message_size=max_frame, connect_timeout=CONNECT_SECONDS)
+    try:
+        return await stack.enter_async_context(opening)
+    except HandshakeError as exc:
+        raise CannotConnect(url, str(exc.__cause__ or exc) or type(exc).__name__) from None
+    except (OSError, ValueError) as exc:
+        raise CannotConnect(url, str(exc)) from None
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a nursery wrapped (the reader task never raises), so callers can
+    catch `ServerError` and friends plainly; several stay grouped."""
+    return group.exceptions[0] if len(group.exceptions) == 1 else group
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    # Raising inside `except` would make the group the exception's context, hiding its own.
+    context = exc.__context__
+    try:
+        raise exc
+    finally:
+        exc.__context__ = context

@@ -1,0 +1,69 @@
+"""What can go wrong talking to a pie server: the exceptions the client raises."""
+
+from __future__ import annotations
+
+
+class PieError(Exception):
+    """Anything the pie client raises on purpose."""
+
+
+class CannotConnect(PieError):
+    """The WebSocket could not be opened, or closed before the server said `Welcome`."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"cannot reach {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class ConnectionLost(PieError):
+    """The connection closed while a request or an event stream still needed it."""
+
+
+class EventsOverflowed(PieError):
+    """An inferlet's events piled up unread, so the client detached from it."""
+
+    def __init__(self, instance: str, last_seq: int) -> None:
+        super().__init__(
+            f"events of {instance} were not read in time and the client detached; "
+            f"attach again with after={last_seq}"
+        )
+        self.instance = instance
+        self.last_seq = last_seq
+
+
+class ServerError(PieError):
+    """The server answered `Failure`; `kind` is a stable word listed in docs/protocol.md."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+class NoSuchProgram(ServerError):
+    pass
+
+
+class NoSuchInferlet(ServerError):
+    pass
+
+
+class NotOwner(ServerError):
+    pass
+
+
+class AuthenticationFailed(ServerError):
+    pass
+
+
+_ERRORS: dict[str, type[ServerError]] = {
+    "no-such-program": NoSuchProgram,
+    "no-such-inferlet": NoSuchInferlet,
+    "not-owner": NotOwner,
+    "unauthenticated": AuthenticationFailed,
+}
+
+
+def server_error(kind: str, message: str) -> ServerError:
+    return _ERRORS.get(kind, ServerError)(kind, message)
