@@ -14,12 +14,13 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed
 
+from pie.config import EngineConfig, with_overrides
 from pie.events import inferlet as ev
 from pie.server import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import Raw, connect, serving
+from tests.server_fixtures import PYTEST_CACHE, Raw, connect, serving
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +269,26 @@ async def _refused_after_stop(url: str) -> bool:
     except (ConnectionClosed, OSError, Exception):
         return True
     return False
+
+
+async def test_the_event_log_holds_every_result_once_the_server_has_stopped(
+    tmp_path: Path, relay: bytes
+) -> None:
+    log = tmp_path / "events.jsonl"
+    config = with_overrides(
+        EngineConfig(),
+        event_log={"path": str(log)},
+        sandbox={"cache_dir": str(PYTEST_CACHE / "pie-components")},
+    )
+    async with serving(tmp_path, config=config) as server:
+        server.engine.programs.add(relay, "relay")
+        with trio.fail_after(60):
+            async with await connect(server.url) as ws:
+                raw = Raw(ws)
+                await raw.next()
+                request = json.dumps({"mode": "count", "n": 3})
+                launched = await raw.call(msg.Launch, program="relay", input=request)
+                await raw.until_end(launched.instance)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    returned = [e for e in lines if e["event"]["type"] == "InferletReturned"]
+    assert [e["event"]["instance"] for e in returned] == [launched.instance]
