@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-tokens", type=int, default=256)
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     _engine_options(bench)
-    suites = bench.add_subparsers(dest="suite", metavar="[inferlets]")
+    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve]")
     inferlets = suites.add_parser(
         "inferlets", help="runtime overhead per token, launch latency and memory of inferlets"
     )
@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     inferlets.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     inferlets.add_argument("--repeats", type=int, default=3)
     inferlets.add_argument("--idle", type=int, default=16, help="idle inferlets to weigh")
+    from pie.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(suites)
     return parser
 
 
@@ -131,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pie.commands import run_replay
 
             return run_replay(args)
+        if getattr(args, "suite", None) == "serve":
+            from pie.bench_serve import run_bench_serve
+
+            return run_bench_serve(args)
         if getattr(args, "suite", None) == "inferlets":
             from pie.bench_inferlets import run_bench_inferlets
 

@@ -1,11 +1,11 @@
 """Completes one prompt: a user message (after an optional system message) in the model's chat
-template, then generation until a stop token or `max_tokens`."""
+template, then generation until a stop token or `max_tokens`, optionally streamed to the client."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from inferlet import Context, Sampler, get_model
+from inferlet import Context, Sampler, get_model, session
 
 
 async def main(input: dict[str, Any] | str) -> str:
@@ -18,7 +18,12 @@ async def main(input: dict[str, Any] | str) -> str:
         generation = ctx.generate(
             choose_sampler(request), max_tokens=int(request.get("max_tokens", 128))
         )
-        return await generation.collect_text()
+        if not request.get("stream"):
+            return await generation.collect_text()
+        # Pieces are whole characters (the SDK holds back split UTF-8), so each can go as text.
+        async for piece in generation:
+            session.send(piece)
+        return generation.text
 
 
 def choose_sampler(request: dict[str, Any]) -> Sampler:
