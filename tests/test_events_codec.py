@@ -136,6 +136,7 @@ SAMPLES = (
     inf_ev.InferletOutput(instance="i1", stream="stderr", text="warning\n"),
     inf_ev.SessionMessage(instance="i1", data=b"\x01\x02"),
     inf_ev.InferletReturned(instance="i1", result="{}", seconds=0.25),
+    inf_ev.InferletOutcome(instance="i1", status="returned", result="{}", seconds=0.25),
     inf_ev.InferletFailed(instance="i1", status="timeout", error="out of time", seconds=300.0),
     inf_ev.InferletTerminated(instance="i1", reason="terminated by a", seconds=1.5),
     inf_ev.InferletFinished(instance="i1", status="returned", result="{}", seconds=0.25),

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import trio
-from attrs import frozen
 
 from pie.actors.runtime import Router
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
 from pie.events.batching import ForwardCompleted
+from pie.events.inferlet import InferletOutcome, outcome_of
 from pie.events.sampling import Rle, SamplingSlot, SlotOutput
 
 
@@ -27,37 +27,6 @@ class RequestRefused(Exception):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
-
-
-@frozen(kw_only=True)
-class InferletOutcome:
-    """How an inferlet ended: `status` is returned, failed, trapped, timeout, memory or
-    terminated; `result` is set when it returned, `error` otherwise."""
-
-    instance: str
-    status: str
-    result: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "returned"
-
-
-def outcome_of(end: inf_ev.InferletEnd) -> InferletOutcome:
-    match end:
-        case inf_ev.InferletReturned():
-            return InferletOutcome(
-                instance=end.instance, status="returned", result=end.result, seconds=end.seconds
-            )
-        case inf_ev.InferletFailed():
-            return InferletOutcome(
-                instance=end.instance, status=end.status, error=end.error, seconds=end.seconds
-            )
-    return InferletOutcome(
-        instance=end.instance, status="terminated", error=end.reason, seconds=end.seconds
-    )
 
 
 class InferletRun:

@@ -4,13 +4,14 @@ a caller reads, messages and stops it through."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from pie.client.errors import PieError
 from pie.events import inferlet as ev
+from pie.events.inferlet import InferletOutcome, outcome_of
 from pie.server import messages as msg
 
 if TYPE_CHECKING:
@@ -28,34 +29,8 @@ class ProgramInfo:
     size: int
 
 
-@attrs.frozen(kw_only=True)
-class Outcome:
-    """How an inferlet ended: `status` is returned, failed, trapped, timeout, memory or
-    terminated; `result` is set when it returned, `error` otherwise."""
-
-    instance: str
-    status: str
-    result: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "returned"
-
-
-def outcome_of(end: Any) -> Outcome:
-    if isinstance(end, ev.InferletReturned):
-        return Outcome(
-            instance=end.instance, status="returned", result=end.result, seconds=end.seconds
-        )
-    if isinstance(end, ev.InferletFailed):
-        return Outcome(
-            instance=end.instance, status=end.status, error=end.error, seconds=end.seconds
-        )
-    return Outcome(
-        instance=end.instance, status="terminated", error=end.reason, seconds=end.seconds
-    )
+Outcome = InferletOutcome
+"""How an inferlet ended (the engine's own record of it)."""
 
 
 class Subscription:

@@ -127,3 +127,34 @@ class InferletFinished:
 
 
 InferletEnd = InferletReturned | InferletFailed | InferletTerminated
+
+
+@frozen(kw_only=True)
+class InferletOutcome:
+    """How an inferlet ended: `status` is returned, failed, trapped, timeout, memory or
+    terminated; `result` is set when it returned, `error` otherwise."""
+
+    instance: str
+    status: str
+    result: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "returned"
+
+
+def outcome_of(end: InferletEnd) -> InferletOutcome:
+    match end:
+        case InferletReturned():
+            return InferletOutcome(
+                instance=end.instance, status="returned", result=end.result, seconds=end.seconds
+            )
+        case InferletFailed():
+            return InferletOutcome(
+                instance=end.instance, status=end.status, error=end.error, seconds=end.seconds
+            )
+    return InferletOutcome(
+        instance=end.instance, status="terminated", error=end.reason, seconds=end.seconds
+    )
