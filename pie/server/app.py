@@ -90,14 +90,19 @@ class Server:
         return f"ws://{host}:{self.port}"
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.engine.requester("server") as requester, trio.open_nursery() as nursery:
-            self._requester, self._nursery = requester, nursery
-            listener = await nursery.start(self._listen)
-            self.port = listener.port
-            nursery.start_soon(self._sweep_forever)
-            task_status.started(self)
-            await self._stopped.wait()
-            nursery.cancel_scope.cancel()
+        try:
+            async with self.engine.requester("server") as requester, trio.open_nursery() as nursery:
+                self._requester, self._nursery = requester, nursery
+                listener = await nursery.start(self._listen)
+                self.port = listener.port
+                nursery.start_soon(self._sweep_forever)
+                task_status.started(self)
+                await self._stopped.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            # Whatever ended the server, nobody may wait on it to stop any more.
+            self.stopping = True
+            self._stopped.set()
 
     async def _listen(self, *, task_status: trio.TaskStatus[Any]) -> None:
         assert self._nursery is not None
@@ -120,6 +125,7 @@ class Server:
         """Stops accepting, lets inferlets finish for `grace` seconds, terminates the rest,
         delivers every remaining event and closes the connections."""
         if self.stopping:
+            await self._stopped.wait()
             return
         self.stopping = True
         self._listening.cancel()

@@ -47,7 +47,7 @@ def _decode(frame: str | bytes, classes: dict[str, type], max_size: int) -> Any:
         raise FrameError("too-large", f"frame of {len(frame)} bytes is over {max_size}")
     try:
         data = json.loads(frame)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also nested too deep or a number too long
         raise FrameError("bad-frame", f"not JSON: {exc}") from None
     corr = data.get("corr", 0) if isinstance(data, dict) else 0
     corr = corr if type(corr) is int else 0

@@ -115,6 +115,7 @@ class Session:
             case msg.UploadProgram():
                 return await self._upload(request)
             case msg.Launch():
+                _check_text("input", request.input)
                 return await server.launch(self, request)
             case msg.Attach():
                 self._attach(request)
@@ -122,6 +123,9 @@ class Session:
             case msg.Detach():
                 server.hub.detach(self.connection, self.user, request.instance, trio.current_time())
             case msg.SendMessage():
+                if (request.text is None) == (request.data is None):
+                    raise Refused("bad-frame", "bad SendMessage: give exactly one of text, data")
+                _check_text("text", request.text)
                 await server.send(self.user, request)
             case msg.Terminate():
                 await server.terminate(self.user, request.instance)
@@ -168,3 +172,12 @@ class Session:
         if isinstance(done, int):
             return msg.UploadProgress(corr=chunk.corr, received=done)
         return await self.server.install(chunk.corr, done)
+
+
+def _check_text(field: str, text: str | None) -> None:
+    """JSON may carry lone surrogates, which are not text an inferlet could receive."""
+    try:
+        if text is not None:
+            text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Refused("bad-frame", f"{field} is not valid Unicode (a lone surrogate)") from None

@@ -378,6 +378,7 @@ def bind(state: InstanceState | None) -> None:
 
 def host_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps a host function returning `result<T, error>`: HostFailure becomes the error."""
+
     def call(*args: Any) -> Any:
         try:
             return Ok(fn(*args))
