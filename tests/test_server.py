@@ -292,3 +292,28 @@ async def test_the_event_log_holds_every_result_once_the_server_has_stopped(
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     returned = [e for e in lines if e["event"]["type"] == "InferletReturned"]
     assert [e["event"]["instance"] for e in returned] == [launched.instance]
+
+
+async def test_a_client_that_stops_reading_is_disconnected_and_its_inferlet_carries_on(
+    tmp_path: Path, relay: bytes
+) -> None:
+    async with serving(tmp_path, send_buffer=64) as server:
+        server.engine.programs.add(relay, "relay")
+        with trio.fail_after(90):
+            async with await connect(server.url) as ws:
+                raw = Raw(ws)
+                await raw.next()
+                request = json.dumps({"mode": "count", "n": 30000})
+                launched = await raw.call(msg.Launch, program="relay", input=request)
+                # Reads nothing more: the socket buffers fill, then the server's outbox.
+                while server.statistics().connections:
+                    await trio.sleep(0.05)
+                assert server.hub.live_instances() == [launched.instance]
+            while server.hub.live_instances():
+                await trio.sleep(0.05)
+            async with await connect(server.url) as ws:
+                raw = Raw(ws)
+                await raw.next()
+                await raw.call(msg.Attach, instance=launched.instance, after=29990)
+                rest = await raw.until_end(launched.instance)
+        assert rest[-1].event.result == "counted"
