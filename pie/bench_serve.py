@@ -177,17 +177,3 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             f"{row['mean_batch_size']:>7.1f}{'-' if cpu is None else f'{cpu:.1f}':>12}"
         )
     return 0
-
-
-def add_bench_serve_parser(suites: Any) -> None:
-    """Registers `pie bench serve` on the `bench` command's suites."""
-    serve = suites.add_parser(
-        "serve", help="latency and throughput of streamed completions through pie serve"
-    )
-    serve.add_argument("--json", action="store_true", help="print one JSON object")
-    serve.add_argument(
-        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients per round"
-    )
-    serve.add_argument("--tokens", type=int, default=32, help="max_tokens of each completion")
-    serve.add_argument("--server", help="measure this server (ws://HOST:PORT) instead of a new one")
-    serve.add_argument("--model", help="model for the started server (default: the configured)")

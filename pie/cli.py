@@ -4,12 +4,35 @@ replay | bench. Results go to stdout; progress and logs to stderr."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pie import __version__
 
-CLIENT_COMMANDS = ("submit", "list", "attach", "stop", "status")
+DEFAULT_SERVER_URL = "ws://127.0.0.1:8080"
+"""Where `pie serve` listens by default ([server] host and port)."""
+
+RUNNERS = {
+    "serve": "pie.server.main:run_serve",
+    "submit": "pie.client.cli:run_submit",
+    "list": "pie.client.cli:run_list",
+    "attach": "pie.client.cli:run_attach",
+    "stop": "pie.client.cli:run_stop",
+    "status": "pie.client.cli:run_status",
+    "auth": "pie.server.auth_cli:run_auth",
+    "generate": "pie.commands:run_generate",
+    "build": "pie.commands:run_build",
+    "run": "pie.commands:run_program",
+    "log": "pie.commands:run_log",
+    "replay": "pie.commands:run_replay",
+    "bench": "pie.bench:run_bench",
+    "bench serve": "pie.bench_serve:run_bench_serve",
+    "bench inferlets": "pie.bench_inferlets:run_bench_inferlets",
+}
+"""Each command's function, imported only when that command runs."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +65,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
     _engine_options(run)
 
-    from pie.client.cli import add_client_parsers
     from pie.server.auth_cli import add_auth_parser
 
     add_client_parsers(commands)
@@ -75,10 +97,51 @@ def _parser() -> argparse.ArgumentParser:
     inferlets.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     inferlets.add_argument("--repeats", type=int, default=3)
     inferlets.add_argument("--idle", type=int, default=16, help="idle inferlets to weigh")
-    from pie.bench_serve import add_bench_serve_parser
-
     add_bench_serve_parser(suites)
     return parser
+
+
+def add_client_parsers(subparsers: Any) -> None:
+    """Registers submit, list, attach, stop and status on `pie`'s sub-command parsers."""
+    submit = subparsers.add_parser("submit", help="install an inferlet on a server and run it")
+    submit.add_argument(
+        "program", help="a .wasm component made by `pie build`, or an inferlet folder to build"
+    )
+    submit.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
+    submit.add_argument("--name", help="install under this name (default: the file's stem)")
+    submit.add_argument("--version", default="0.1.0", help="install under this version")
+    submit.add_argument("--detach", action="store_true", help="print the instance id and leave")
+    listing = subparsers.add_parser("list", help="your inferlets on a server")
+    attach = subparsers.add_parser("attach", help="stream a running inferlet's output")
+    attach.add_argument("instance")
+    attach.add_argument("--after", type=int, default=0, help="replay events after this seq")
+    stop = subparsers.add_parser("stop", help="terminate an inferlet")
+    stop.add_argument("instance")
+    status = subparsers.add_parser("status", help="a server's engine statistics")
+    for parser in (submit, listing, attach, stop, status):
+        _connection_options(parser)
+
+
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    server = os.environ.get("PIE_SERVER", DEFAULT_SERVER_URL)
+    parser.add_argument("--server", default=server, help=f"WebSocket URL (default: {server})")
+    parser.add_argument("--user", default=os.environ.get("PIE_USER"), help="authenticate as")
+    parser.add_argument("--token", default=os.environ.get("PIE_TOKEN"), help="a user's token")
+    parser.add_argument("--key", help="sign the server's challenge with this private key")
+
+
+def add_bench_serve_parser(suites: Any) -> None:
+    """Registers `pie bench serve` on the `bench` command's suites."""
+    serve = suites.add_parser(
+        "serve", help="latency and throughput of streamed completions through pie serve"
+    )
+    serve.add_argument("--json", action="store_true", help="print one JSON object")
+    serve.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients per round"
+    )
+    serve.add_argument("--tokens", type=int, default=32, help="max_tokens of each completion")
+    serve.add_argument("--server", help="measure this server (ws://HOST:PORT) instead of a new one")
+    serve.add_argument("--model", help="model for the started server (default: the configured)")
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -102,54 +165,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pie.config import ConfigError
 
     try:
-        if args.command == "serve":
-            from pie.server.main import run_serve
-
-            return run_serve(args)
-        if args.command in CLIENT_COMMANDS:
-            from pie.client import cli as client_cli
-
-            return getattr(client_cli, f"run_{args.command}")(args)
-        if args.command == "auth":
-            from pie.server.auth_cli import run_auth
-
-            return run_auth(args)
-        if args.command == "generate":
-            from pie.commands import run_generate
-
-            return run_generate(args)
-        if args.command == "build":
-            from pie.commands import run_build
-
-            return run_build(args)
-        if args.command == "run":
-            from pie.commands import run_program
-
-            return run_program(args)
-        if args.command == "log":
-            from pie.commands import run_log
-
-            return run_log(args)
-        if args.command == "replay":
-            from pie.commands import run_replay
-
-            return run_replay(args)
-        if getattr(args, "suite", None) == "serve":
-            from pie.bench_serve import run_bench_serve
-
-            return run_bench_serve(args)
-        if getattr(args, "suite", None) == "inferlets":
-            from pie.bench_inferlets import run_bench_inferlets
-
-            return run_bench_inferlets(args)
-        from pie.bench import run_bench
-
-        return run_bench(args)
+        return _runner(args)(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"pie: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
+    suite = getattr(args, "suite", None) if args.command == "bench" else None
+    module, _, name = RUNNERS[f"bench {suite}" if suite else args.command].partition(":")
+    runner: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
+    return runner
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ WebSocket server on 127.0.0.1, port 0."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,20 +22,15 @@ from pie.server import messages as msg
 from pie.server.app import Server
 from pie.server.protocol import decode_server_frame, encode_frame
 
-_TOKENIZER: list[Tokenizer] = []
-
-
 PYTEST_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "d"
 """Where `pytestconfig.cache.mkdir(name)` puts its folders."""
 
 
+@functools.cache
 def default_tokenizer() -> Tokenizer:
     """The default model's tokenizer, read once per test run from the model converted into
     pytest's cache folder (where tests/model_fixtures.py puts it)."""
-    if not _TOKENIZER:
-        cache = PYTEST_CACHE / "pie-models"
-        _TOKENIZER.append(Tokenizer.from_folder(resolve_model(None, cache_dir=cache)))
-    return _TOKENIZER[0]
+    return Tokenizer.from_folder(resolve_model(None, cache_dir=PYTEST_CACHE / "pie-models"))
 
 
 @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import trio
 
+from pie.cli import add_client_parsers
 from pie.client import (
     CannotConnect,
     ConnectionLost,
@@ -287,7 +288,7 @@ def _free_port() -> int:
 
 def cli_args(*argv: str, server: Server | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pie")
-    client_cli.add_client_parsers(parser.add_subparsers(dest="command"))
+    add_client_parsers(parser.add_subparsers(dest="command"))
     extra = ["--server", server.url] if server is not None else []
     return parser.parse_args([*argv, *extra])
 

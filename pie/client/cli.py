@@ -17,33 +17,12 @@ from typing import Any
 import attrs
 import trio
 
-from pie.client.connection import DEFAULT_URL, Client, connect
+from pie.client.connection import Client, connect
 from pie.client.errors import CannotConnect, ConnectionLost, PieError, ServerError
 from pie.client.inferlet import Outcome, RemoteInferlet
 from pie.events import inferlet as ev
 
 INTERRUPTED = 130
-
-
-def add_client_parsers(subparsers: Any) -> None:
-    """Registers submit, list, attach, stop and status on `pie`'s sub-command parsers."""
-    submit = subparsers.add_parser("submit", help="install an inferlet on a server and run it")
-    submit.add_argument(
-        "program", help="a .wasm component made by `pie build`, or an inferlet folder to build"
-    )
-    submit.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
-    submit.add_argument("--name", help="install under this name (default: the file's stem)")
-    submit.add_argument("--version", default="0.1.0", help="install under this version")
-    submit.add_argument("--detach", action="store_true", help="print the instance id and leave")
-    listing = subparsers.add_parser("list", help="your inferlets on a server")
-    attach = subparsers.add_parser("attach", help="stream a running inferlet's output")
-    attach.add_argument("instance")
-    attach.add_argument("--after", type=int, default=0, help="replay events after this seq")
-    stop = subparsers.add_parser("stop", help="terminate an inferlet")
-    stop.add_argument("instance")
-    status = subparsers.add_parser("status", help="a server's engine statistics")
-    for parser in (submit, listing, attach, stop, status):
-        _connection_options(parser)
 
 
 def _program_bytes(path: Path) -> bytes:
@@ -55,14 +34,6 @@ def _program_bytes(path: Path) -> bytes:
 
     _note(f"building {path} (cached after the first time)")
     return cached_build(path.resolve(), default_cache_dir() / "inferlets").read_bytes()
-
-
-def _connection_options(parser: argparse.ArgumentParser) -> None:
-    server = os.environ.get("PIE_SERVER", DEFAULT_URL)
-    parser.add_argument("--server", default=server, help=f"WebSocket URL (default: {server})")
-    parser.add_argument("--user", default=os.environ.get("PIE_USER"), help="authenticate as")
-    parser.add_argument("--token", default=os.environ.get("PIE_TOKEN"), help="a user's token")
-    parser.add_argument("--key", help="sign the server's challenge with this private key")
 
 
 def run_submit(args: argparse.Namespace) -> int:

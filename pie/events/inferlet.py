@@ -42,6 +42,12 @@ class TerminateInferlet:
     instance: str
 
 
+def check_one_payload(text: str | None, data: bytes | None) -> None:
+    """A session message is text or bytes: exactly one of the two."""
+    if (text is None) == (data is None):
+        raise ValueError("give exactly one of text, data")
+
+
 @frozen(kw_only=True)
 class SendToInferlet:
     """A message from the launching client for the instance's `session.receive`."""
@@ -51,6 +57,9 @@ class SendToInferlet:
     instance: str
     text: str | None = None
     data: bytes | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_one_payload(self.text, self.data)
 
 
 @frozen(kw_only=True)

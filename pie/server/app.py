@@ -207,6 +207,10 @@ class Server:
             pass
 
     async def send(self, user: str, request: msg.SendMessage) -> None:
+        try:
+            inf_ev.check_one_payload(request.text, request.data)
+        except ValueError as err:
+            raise Refused("bad-frame", f"bad SendMessage: {err}") from None
         self.hub.live(user, request.instance)
         assert self._requester is not None
         await self._requester.call(

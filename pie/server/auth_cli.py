@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pie.server.auth import AuthError, UserStore, default_users_dir
+if TYPE_CHECKING:
+    from pie.server.auth import UserStore
 
 
 def add_auth_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,6 +40,8 @@ def add_auth_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 def run_auth(args: argparse.Namespace) -> int:
     """Runs one `pie auth` action; 0 on success, 2 with a message on stderr otherwise."""
+    from pie.server.auth import AuthError, UserStore, default_users_dir
+
     store = UserStore(Path(args.users_dir) if args.users_dir else default_users_dir())
     try:
         if args.auth_command == "add":
@@ -56,6 +60,8 @@ def run_auth(args: argparse.Namespace) -> int:
 
 
 def _read_key(key_path: str) -> str:
+    from pie.server.auth import AuthError
+
     try:
         return Path(key_path).read_text()
     except (OSError, UnicodeDecodeError) as exc:

@@ -123,8 +123,6 @@ class Session:
             case msg.Detach():
                 server.hub.detach(self.connection, self.user, request.instance, trio.current_time())
             case msg.SendMessage():
-                if (request.text is None) == (request.data is None):
-                    raise Refused("bad-frame", "bad SendMessage: give exactly one of text, data")
                 _check_text("text", request.text)
                 await server.send(self.user, request)
             case msg.Terminate():
