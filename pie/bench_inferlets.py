@@ -140,12 +140,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
             program = engine.programs.add(text_completion, name="text-completion").hash
             for concurrency in args.concurrency:
-                before = engine.statistics().scheduler
+                before = engine.statistics()
                 row = await _overhead(engine, program, concurrency, args)
-                after = engine.statistics().scheduler
-                row["mean_batch_size"] = (after.requests - before.requests) / max(
-                    1, after.batches - before.batches
+                after = engine.statistics()
+                requests = (
+                    after.scheduler.requests
+                    - before.scheduler.requests
+                    + after.inference.lane_passes
+                    - before.inference.lane_passes
                 )
+                passes = after.inference.passes - before.inference.passes
+                row["mean_batch_size"] = requests / max(1, passes)
                 figures[f"concurrency_{concurrency}"] = row
             figures["idle_rss_mb_per_inferlet"] = await _idle_memory(engine, idle, args.idle)
         figures.update(await _launch_latency(config, driver_args, tokenizer, text_completion))

@@ -31,6 +31,7 @@ RUNNERS = {
     "bench": "pie.bench:run_bench",
     "bench serve": "pie.bench_serve:run_bench_serve",
     "bench inferlets": "pie.bench_inferlets:run_bench_inferlets",
+    "bench tax": "pie.bench_tax:run_bench_tax",
 }
 """Each command's function, imported only when that command runs."""
 
@@ -87,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-tokens", type=int, default=256)
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     _engine_options(bench)
-    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve]")
+    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve | tax]")
     inferlets = suites.add_parser(
         "inferlets", help="runtime overhead per token, launch latency and memory of inferlets"
     )
@@ -97,6 +98,19 @@ def _parser() -> argparse.ArgumentParser:
     inferlets.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     inferlets.add_argument("--repeats", type=int, default=3)
     inferlets.add_argument("--idle", type=int, default=16, help="idle inferlets to weigh")
+    tax = suites.add_parser(
+        "tax", help="exposed runtime time per token at each speculation depth (fixed-time pass)"
+    )
+    tax.add_argument("--json", action="store_true", help="print one JSON object")
+    tax.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
+    tax.add_argument("--tokens", type=int, default=64, help="tokens per measured run")
+    tax.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    tax.add_argument("--depths", type=int, nargs="+", default=[0, 1, 4])
+    tax.add_argument("--think-us", type=float, default=0.0, help="guest busy work per token")
+    tax.add_argument("--repeats", type=int, default=3)
+    tax.add_argument("--slow-path", action="store_true", help="also run with the fast path off")
+    tax.add_argument("--real", action="store_true", help="the configured model, not a fixed pass")
+    _engine_options(tax)
     add_bench_serve_parser(suites)
     return parser
 

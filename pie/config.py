@@ -57,6 +57,10 @@ class KvConfig:
 class SchedulerConfig:
     max_batch_tokens: int = field(default=512, validator=_at_least(1))
     max_batch_requests: int = field(default=64, validator=_at_least(1))
+    fast_path: bool = True
+    """Run inferlets' plain decodes on the driver thread (leases), without Trio round trips."""
+    speculation_depth: int = field(default=1, validator=_at_least(0))
+    """Passes staged ahead of a program on the fast path (0: none)."""
 
 
 @frozen(kw_only=True)

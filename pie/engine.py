@@ -20,6 +20,7 @@ from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
 from pie.actors.scheduler.actor import SchedulerActor
+from pie.actors.speculator import Lanes, SpeculationStatistics, SpeculatorCore
 from pie.config import EngineConfig
 from pie.drivers.base import Driver, DriverInfo
 from pie.drivers.loader.resolve import default_cache_dir
@@ -34,6 +35,7 @@ class EngineStatistics:
     kv: KvStatistics
     scheduler: SchedulerStatistics
     inference: InferenceStatistics
+    speculation: SpeculationStatistics
     bus: BusStatistics
     inferlets: InferletStatistics
     mailboxes: tuple[MailboxStatistics, ...]
@@ -80,7 +82,21 @@ class Engine:
             self.router,
         )
         self.scheduler = SchedulerActor(SchedulerCore(policy), self.router)
-        self.inference = InferenceActor(driver, self.router)
+        depth = config.scheduler.speculation_depth
+        self.lanes = Lanes(
+            page_size=self.info.page_size,
+            vocab_size=self.info.vocab_size,
+            depth=depth,
+            post=lambda events: self.inference.post(events),
+        )
+        self.inference = InferenceActor(
+            driver,
+            self.router,
+            self.lanes,
+            max_requests=policy.max_batch_requests,
+            max_tokens=policy.max_batch_tokens,
+        )
+        self.speculator = CoreActor(SpeculatorCore(depth), "speculator", self.router)
         self.bus = CoreActor(BusCore(), "bus", self.router)
         self.programs = ProgramRegistry()
         self.wasm = WasmRuntime(
@@ -110,6 +126,7 @@ class Engine:
             version=__version__,
             scratch_root=sandbox.scratch_dir,
             subscription_buffer=sandbox.subscription_buffer,
+            lanes=self.lanes if self.config.scheduler.fast_path else None,
         )
 
     async def _start(self) -> None:
@@ -124,7 +141,8 @@ class Engine:
             )
             self.log.append("engine", "engine", started)
         self.wasm.start()
-        for actor in (self.inference, self.scheduler, self.kv, self.bus, self.inferlets):
+        actors = (self.inference, self.scheduler, self.kv, self.bus, self.speculator)
+        for actor in (*actors, self.inferlets):
             await self._nursery.start(actor.run)
 
     @contextlib.asynccontextmanager
@@ -159,6 +177,7 @@ class Engine:
             kv=self.kv.statistics(),
             scheduler=self.scheduler.statistics(),
             inference=self.inference.statistics(),
+            speculation=self.speculator.core.statistics(),
             bus=self.bus.statistics(),
             inferlets=self.inferlets.statistics(),
             mailboxes=tuple(self.router.statistics()),
@@ -170,7 +189,7 @@ class Engine:
         lost."""
         with trio.move_on_after(timeout, shield=True):
             self.inferlets.stop_all("the engine is stopping")
-            while self.inferlets.core.instances or self.kv.core.in_flight:
+            while self.inferlets.core.instances or self.kv.core.in_flight or self.kv.core.leases:
                 await trio.sleep(0.01)
 
     def _close(self) -> None:

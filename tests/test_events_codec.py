@@ -13,6 +13,7 @@ from pie.events import batching as batch_ev
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
+from pie.events import speculation as spec_ev
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import (
     PROBES,
@@ -56,6 +57,17 @@ OUTPUTS = (
     LogProbsOutput(values=(-0.1, -2.5)),
     EntropyOutput(value=1.375),
 )
+LEASE = spec_ev.Lease(
+    lease=3,
+    context=4,
+    requester="client:3",
+    pages=(8, 2, 6, 9),
+    owned=3,
+    masked_pages=(1,),
+    next_slot=15,
+    next_position=15,
+    op=TopP(p=0.9, temperature=0.7, seed=2**62),
+)
 REQUEST = ForwardRequest(
     corr=7,
     requester="client:3",
@@ -71,9 +83,23 @@ REQUEST = ForwardRequest(
     copies=(PageCopy(src=3, dst=2),),
     final=False,
     slot_positions=tuple(range(10, 20)),
+    lease=LEASE,
 )
 
 SAMPLES = (
+    LEASE,
+    spec_ev.LanePassApplied(
+        lease=3,
+        context=4,
+        corr=9,
+        token=17,
+        position=15,
+        page=6,
+        staged=True,
+        outputs=(TokenOutput(token=5),),
+    ),
+    spec_ev.LeaseReleased(lease=3, context=4),
+    spec_ev.SpeculationTally(staged=4, hits=3, misses=1, dropped_chains=1, wasted_passes=1),
     kv_ev.CreateContext(corr=1, requester="a"),
     kv_ev.ForkContext(corr=2, requester="a", context=3),
     kv_ev.DestroyContext(corr=3, requester="a", context=3),

@@ -11,6 +11,7 @@ from pie.actors.scheduler import BatchPolicy, SchedulerCore
 from pie.events.batching import ExecuteBatch
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import Argmax, Entropy, SamplingSlot
+from pie.events.speculation import Lease
 
 
 def request(
@@ -173,6 +174,29 @@ def test_the_watchdog_fires_when_an_awaited_context_stays_quiet() -> None:
     core.submit(request(3, context=1), now=1.0)
     assert core.next_batch(1.49) is None
     batch = core.next_batch(1.5)
+    assert batch is not None and [r.corr for r in batch.requests] == [3]
+
+
+def test_a_context_granted_a_lease_is_not_awaited() -> None:
+    lease = Lease(
+        lease=1,
+        context=2,
+        requester="a",
+        pages=(2,),
+        owned=1,
+        masked_pages=(),
+        next_slot=1,
+        next_position=1,
+        op=Argmax(),
+    )
+    core = SchedulerCore(BatchPolicy())
+    core.submit(request(1), now=0.0)
+    core.submit(request(2, lease=lease), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    # Context 2 continues on the fast path: only context 1 is waited for.
+    core.submit(request(3, context=1), now=1.0)
+    batch = core.next_batch(1.0)
     assert batch is not None and [r.corr for r in batch.requests] == [3]
 
 

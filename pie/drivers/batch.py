@@ -67,3 +67,26 @@ class ForwardBatch:
             self.slot_tokens.append(base + slot.index)
             self.slot_ops.append(slot.op)
         self.copies.extend((c.src, c.dst) for c in req.copies)
+
+    def add_decode(
+        self,
+        token: int,
+        position: int,
+        pages: tuple[int, ...],
+        kv_len: int,
+        masked_pages: tuple[int, ...],
+        op: SlotOp,
+    ) -> None:
+        """One token with one sampling slot on it: what a lane pass runs."""
+        self.slot_tokens.append(len(self.token_ids))
+        self.slot_requests.append(len(self.kv_lens))
+        self.slot_ops.append(op)
+        self.token_ids.append(token)
+        self.positions.append(position)
+        self.qo_indptr.append(len(self.token_ids))
+        self.kv_page_indices.extend(pages)
+        self.kv_page_indptr.append(len(self.kv_page_indices))
+        self.kv_lens.append(kv_len)
+        self.masked_pages.append(masked_pages)
+        self.attention_masks.append(None)
+        self.logit_masks.append(None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from pie.events import batching, bus, forward, inferlet, kv, sampling
+from pie.events import batching, bus, forward, inferlet, kv, sampling, speculation
 
-EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet)
+EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation)
 
 
 def _event_classes() -> tuple[type, ...]:

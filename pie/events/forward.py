@@ -6,6 +6,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from pie.events.sampling import Rle, SamplingSlot
+from pie.events.speculation import Lease
 
 
 @frozen(kw_only=True)
@@ -43,6 +44,9 @@ class ForwardRequest:
     """False for every chunk but the last when the scheduler split a long prefill."""
     slot_positions: tuple[int, ...] = ()
     """Where each of `slots` stood in the unsplit request (empty: in order)."""
+    lease: Lease | None = None
+    """Granted when the pass ends in a token sampler: the context's next plain decodes may run
+    on the driver thread's fast path."""
 
     @property
     def kv_len(self) -> int:

@@ -109,6 +109,8 @@ class SubmitForward:
     attention_masks: tuple[Rle, ...] | None = None
     logit_mask: Rle | None = None
     slots: tuple[SamplingSlot, ...] = ()
+    fast: bool = False
+    """The requester can take the context's next plain decodes on the fast path (a lease)."""
 
 
 @frozen(kw_only=True)
@@ -117,6 +119,8 @@ class ReleaseRequester:
 
     corr: int
     requester: str
+    reply: bool = True
+    """False when nobody is left to answer (an inferlet that ended)."""
 
 
 @frozen(kw_only=True)

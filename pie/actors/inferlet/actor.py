@@ -16,6 +16,7 @@ import trio
 from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
 from pie.actors.inferlet.programs import Program
 from pie.actors.runtime import Actor, MailboxOverrun, Router
+from pie.actors.speculator.lanes import Lanes
 from pie.events import bus as bus_ev
 from pie.events import inferlet as ev
 from pie.events import kv as kv_ev
@@ -72,8 +73,10 @@ class InferletActor(Actor):
         version: str,
         scratch_root: str = "",
         subscription_buffer: int = 1024,
+        lanes: Lanes | None = None,
     ) -> None:
         super().__init__("inferlets", router, capacity=65536)
+        self.lanes = lanes
         self.core = core
         self.wasm = wasm
         self.models = models
@@ -128,8 +131,11 @@ class InferletActor(Actor):
             budget_seconds=self.limits.budget_seconds,
             version=self.version,
             subscription_buffer=self._subscription_buffer,
+            lanes=self.lanes,
         )
         bridge.state = state
+        if self.lanes is not None:
+            self.lanes.open_requester(instance.address)
         self.router.register_handler(instance.address, state.deliver)
         finished = trio.Event()
         outcome: list[RunOutcome] = []
@@ -216,8 +222,10 @@ class InferletActor(Actor):
         self._kills.pop(instance.id, None)
         self.router.unregister(instance.address)
         src = instance.address
+        if self.lanes is not None:
+            self.lanes.close_requester(src)
         self.router.send_nowait(
-            src, "kv", kv_ev.ReleaseRequester(corr=next(self._corr), requester=src)
+            src, "kv", kv_ev.ReleaseRequester(corr=next(self._corr), requester=src, reply=False)
         )
         self.router.send_nowait(src, "bus", bus_ev.LeaveBus(corr=next(self._corr), requester=src))
         if outcome is None:

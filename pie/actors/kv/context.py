@@ -25,6 +25,8 @@ class Chain:
     in_flight: int | None = None
     """The corr of the pass writing into this chain, if any."""
     reserved: list[int] = field(factory=list)
+    lease: int | None = None
+    """The lease the fast path runs this context's plain decodes on, if any."""
 
     def copy(self, owner: str) -> Chain:
         """The same tokens over the same pages (the caller counts the new owner in the pool),
@@ -54,6 +56,7 @@ class Chain:
             tuple(sorted(self.masked)),
             self.salt,
             tuple(self.reserved),
+            self.lease,
         )
 
 

@@ -17,6 +17,8 @@ from pie.actors.kv.validation import RequestError, validate_forward
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
+from pie.events.sampling import SAMPLERS
+from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
 
 Output = tuple[str, Any]
 
@@ -31,6 +33,7 @@ class KvStatistics:
     passes_in_flight: int
     shared_page_hits: int
     tail_copies: int
+    leases: int
 
 
 class KvCore:
@@ -49,6 +52,9 @@ class KvCore:
         self._next_context = 1
         self._shared_hits = 0
         self._tail_copies = 0
+        self.leases: dict[int, list[int]] = {}
+        """The pages each outstanding lease pins."""
+        self._next_lease = 1
 
     def handle(self, event: Any) -> list[Output]:
         try:
@@ -71,11 +77,18 @@ class KvCore:
             case ev.PassApplied():
                 self._settle(event)
                 return []
+            case LanePassApplied():
+                self._lane_pass(event)
+                return []
+            case LeaseReleased():
+                self.pool.unpin(self.leases.pop(event.lease, ()))
+                return []
             case ev.CreateContext():
                 return self._created(event, Chain(owner=event.requester))
             case ev.ForkContext():
                 source = self._owned(event.context, event.requester)
                 self._quiet(source, "fork")
+                source.lease = None
                 self.pool.share(source.pages)
                 return self._created(event, source.copy(event.requester))
             case ev.OpenContext():
@@ -107,7 +120,7 @@ class KvCore:
                     c for c, ch in self.contexts.items() if ch.owner == event.requester
                 ]:
                     self._drop(context)
-                return [(event.requester, ev.Done(corr=event.corr))]
+                return [(event.requester, ev.Done(corr=event.corr))] if event.reply else []
         raise TypeError(f"kv actor got an unexpected event {type(event).__name__}")
 
     # -- placing and settling passes -------------------------------------------------------
@@ -138,6 +151,7 @@ class KvCore:
         chain.in_flight = event.corr
         self.pool.pin(chain.pages)
         pinned = list(chain.pages) + ([replaced[1]] if replaced else [])
+        lease = self._grant(event, chain) if event.fast else None
         self.in_flight[event.corr] = InFlight(
             context=event.context,
             old_length=old_length,
@@ -160,7 +174,54 @@ class KvCore:
             logit_mask=event.logit_mask,
             slots=event.slots,
             copies=copies,
+            lease=lease,
         )
+
+    def _grant(self, event: ev.SubmitForward, chain: Chain) -> Lease | None:
+        """A lease on the context when the pass ends in a plain token sampler and the context
+        has room for at least one more token in pages it already holds or has reserved."""
+        chain.lease = None
+        if (
+            len(event.slots) != 1
+            or event.slots[0].index != len(event.tokens) - 1
+            or not isinstance(event.slots[0].op, SAMPLERS)
+            or event.attention_masks is not None
+            or event.logit_mask is not None
+            or len(chain.tokens) >= (len(chain.pages) + len(chain.reserved)) * self.page_size
+        ):
+            return None
+        pages = chain.pages + chain.reserved
+        lease = Lease(
+            lease=self._next_lease,
+            context=event.context,
+            requester=event.requester,
+            pages=tuple(pages),
+            owned=len(chain.pages),
+            masked_pages=tuple(sorted(chain.masked)),
+            next_slot=len(chain.tokens),
+            next_position=chain.positions[-1] + 1,
+            op=event.slots[0].op,
+        )
+        self._next_lease += 1
+        self.pool.pin(pages)
+        self.leases[lease.lease] = pages
+        chain.lease = lease.lease
+        return lease
+
+    def _lane_pass(self, event: LanePassApplied) -> None:
+        """A pass run on the context's lease reached its program: the token is the context's."""
+        chain = self.contexts.get(event.context)
+        if chain is None or chain.lease != event.lease:
+            return  # the context was destroyed or left the fast path after the pass ran
+        length = len(chain.tokens)
+        if length == len(chain.pages) * self.page_size:
+            taken = chain.reserved.pop(0)
+            assert taken == event.page, f"lease took page {event.page}, reserve gave {taken}"
+            chain.pages.append(taken)
+        chain.tokens.append(event.token)
+        chain.positions.append(event.position)
+        chain.written = len(chain.tokens)
+        self._commit_full_pages(chain)
 
     def _take(self, chain: Chain, count: int) -> tuple[list[int], int]:
         """`count` pages for a pass, the chain's reserve first, and how many came from it."""
@@ -223,6 +284,7 @@ class KvCore:
             chain.hashes.append(content)
 
     def _roll_back(self, chain: Chain, flight: InFlight) -> None:
+        chain.lease = None
         del chain.tokens[flight.old_length :]
         del chain.positions[flight.old_length :]
         chain.salt = flight.old_salt
@@ -259,6 +321,7 @@ class KvCore:
     def _save(self, event: ev.SaveContext) -> list[Output]:
         chain = self._owned(event.context, event.requester)
         self._quiet(chain, "save")
+        chain.lease = None
         key = (event.user, event.name)
         if key in self.snapshots:
             raise RequestError("snapshot_exists", f"a snapshot named {event.name!r} exists")
@@ -284,6 +347,7 @@ class KvCore:
 
     def _truncate(self, chain: Chain, count: int) -> None:
         self._quiet(chain, "truncate")
+        chain.lease = None
         if not 0 <= count <= len(chain.tokens):
             raise RequestError("invalid", f"cannot truncate {count} of {len(chain.tokens)} tokens")
         length = len(chain.tokens) - count
@@ -299,6 +363,7 @@ class KvCore:
     def _mask(self, chain: Chain, pages: tuple[int, ...], masked: bool) -> None:
         # The pass in flight was placed under the old mask; its pages must be hashed under it.
         self._quiet(chain, "mask pages of")
+        chain.lease = None
         bad = [p for p in pages if not 0 <= p < len(chain.pages)]
         if bad:
             raise RequestError("invalid", f"page indices {bad} outside 0..{len(chain.pages) - 1}")
@@ -348,6 +413,7 @@ class KvCore:
             passes_in_flight=len(self.in_flight),
             shared_page_hits=self._shared_hits,
             tail_copies=self._tail_copies,
+            leases=len(self.leases),
         )
 
     def state(self) -> tuple[object, ...]:
@@ -358,6 +424,7 @@ class KvCore:
             tuple(sorted((k, s.state()) for k, s in self.snapshots.items())),
             tuple(sorted(self.in_flight)),
             self._next_context,
+            tuple(sorted((k, tuple(v)) for k, v in self.leases.items())),
         )
 
 

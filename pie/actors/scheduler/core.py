@@ -111,7 +111,8 @@ class SchedulerCore:
             self._return_window = self._slowest_return
         self._slowest_return = 0.0
         self._record(requests)
-        self._running = {r.context for r in requests}
+        # A context granted a lease sends its next decodes to the pass loop, not here.
+        self._running = {r.context for r in requests if r.lease is None}
         self._awaited = set()
         self._in_flight = True
         batch = ExecuteBatch(batch=self._next_batch, requests=tuple(requests))

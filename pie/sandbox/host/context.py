@@ -6,9 +6,10 @@ from typing import Any
 
 from wasmtime.component import LinkerInstance
 
+from pie.actors.speculator.lanes import LaneBusy
 from pie.events import kv as ev
 from pie.sandbox.host.model import model_view
-from pie.sandbox.host.state import current, host_call
+from pie.sandbox.host.state import HostFailure, current, host_call
 from pie.sandbox.wasm import add_host_func, record
 
 INTERFACE = "pie:inferlet/context@0.1.0"
@@ -17,6 +18,16 @@ INTERFACE = "pie:inferlet/context@0.1.0"
 def _kv(make: Any, **fields: Any) -> Any:
     state = current()
     return state.request("kv", make(corr=state.next_corr(), requester=state.address, **fields))
+
+
+def _changing(ctx: int, *, running_ok: bool = False) -> None:
+    """Takes the context off the fast path before a command that changes its pages."""
+    state = current()
+    if state.lanes is not None:
+        try:
+            state.lanes.close(ctx, state.address, running_ok=running_ok)
+        except LaneBusy as busy:
+            raise HostFailure("busy", str(busy)) from None
 
 
 def create(model: int) -> int:
@@ -43,19 +54,23 @@ def delete(model: int, name: str) -> None:
 
 
 def fork(ctx: int) -> int:
+    _changing(ctx)
     context: int = _kv(ev.ForkContext, context=ctx).context
     return context
 
 
 def save(ctx: int, name: str) -> None:
+    _changing(ctx)
     _kv(ev.SaveContext, context=ctx, name=name, user=current().user)
 
 
 def destroy(ctx: int) -> None:
+    _changing(ctx, running_ok=True)
     _kv(ev.DestroyContext, context=ctx)
 
 
 def truncate(ctx: int, count: int) -> None:
+    _changing(ctx)
     _kv(ev.TruncateContext, context=ctx, count=count)
 
 
@@ -64,6 +79,7 @@ def reserve(ctx: int, count: int) -> None:
 
 
 def mask_pages(ctx: int, pages: list[int], masked: bool) -> None:
+    _changing(ctx)
     _kv(ev.MaskPages, context=ctx, pages=tuple(pages), masked=masked)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from wasmtime.component import LinkerInstance, Variant
 
+from pie.actors.speculator.lanes import LaneBusy
 from pie.events import kv as ev
 from pie.events import sampling as s
 from pie.sandbox.host.state import HostFailure, current, host_call
@@ -63,15 +64,33 @@ def execute(pass_: Any) -> int:
     positions = _get(pass_, "positions")
     masks = _get(pass_, "attention-masks")
     logit_mask = _get(pass_, "logit-mask")
+    tokens = tuple(pass_.tokens)
+    slots = _slots(pass_.slots)
+    positions = None if positions is None else tuple(positions)
+    lanes = state.lanes
+    if lanes is not None:
+        context = pass_.context
+        try:
+            if masks is None and logit_mask is None:
+                corr = state.next_corr()
+                handle, fill = state.expect("forward")
+                if lanes.submit(context, state.address, corr, tokens, positions, slots, fill):
+                    return handle
+                state.discard(handle)
+            else:
+                lanes.close(context, state.address)
+        except LaneBusy as busy:
+            raise HostFailure("busy", str(busy)) from None
     event = ev.SubmitForward(
         corr=state.next_corr(),
         requester=state.address,
         context=pass_.context,
-        tokens=tuple(pass_.tokens),
-        positions=None if positions is None else tuple(positions),
+        tokens=tokens,
+        positions=positions,
         attention_masks=None if masks is None else tuple(tuple(m) for m in masks),
         logit_mask=None if logit_mask is None else tuple(logit_mask),
-        slots=_slots(pass_.slots),
+        slots=slots,
+        fast=lanes is not None,
     )
     return state.submit("kv", event, "forward")
 

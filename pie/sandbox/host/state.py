@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from attrs import define, field
 
+from pie.actors.speculator.lanes import Lanes
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.kv import RequestFailed
@@ -86,8 +87,11 @@ class InstanceState:
         budget_seconds: float,
         version: str,
         subscription_buffer: int = 1024,
+        lanes: Lanes | None = None,
     ) -> None:
         self.instance = instance
+        self.lanes = lanes
+        """The fast path for this instance's plain decodes, when the engine runs one."""
         self.address = address
         self.user = user
         self.bridge = bridge
@@ -128,6 +132,18 @@ class InstanceState:
             self._by_corr[event.corr] = handle
         self.bridge.post(dst, event)
         return handle
+
+    def expect(self, kind: str) -> tuple[int, Callable[[Any], None]]:
+        """A new pollable and the function that fills it from any thread."""
+        handle = self.new_handle()
+        with self._cond:
+            self.pollables[handle] = Pending(kind)
+
+        def fill(value: Any) -> None:
+            with self._cond:
+                self._fill(handle, value)
+
+        return handle, fill
 
     def request(self, dst: str, event: Any) -> Any:
         """Sends a command and blocks for its reply; a refusal raises HostFailure."""

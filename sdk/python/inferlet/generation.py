@@ -97,6 +97,13 @@ class Generation:
             return piece
         raise StopAsyncIteration
 
+    async def step(self) -> None:
+        """Runs one generation step (one forward pass): for programs that do their own work
+        between tokens. Check `done` before each call; `tokens` grows by the step's token."""
+        if self.done:
+            raise RuntimeError("the generation has finished")
+        await self._step()
+
     async def _step(self) -> None:
         ctx = self._ctx
         if self._feed is None:

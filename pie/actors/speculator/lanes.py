@@ -1,0 +1,476 @@
+"""Lanes: the fast path for plain decodes, and the passes staged ahead on it.
+
+A lane is one context's lease (see pie/events/speculation.py) as the driver thread sees it.
+Programs submit plain decodes to their lane from their own threads; the pass loop runs lane
+passes from the driver thread. Neither waits for the Trio thread: the kv actor, the scheduler
+and the speculator hear of each pass afterwards through `post`, in the order things happened.
+
+With a speculation depth of D, when a lane pass ends the lane stages the next one (the token
+just sampled, at the next position, with the same sampler and the next seed of its stream)
+and keeps up to D passes ahead of what its program has asked for. A request that matches the
+first staged pass claims it, whether it is queued, running or done; any other request drops
+every staged pass of the lane. Staged passes write only KV slots past the context's end, in
+pages the lease pins, and the kv actor only ever appends what a program received, so a pass
+thrown away leaves nothing behind: the next pass writes over its slot.
+
+Locking: one condition guards every lane and the ready queue. Deliveries to programs and posts
+to Trio are made after it is released, posts first, so that the kv actor has appended a token
+before its program can send anything that depends on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from attrs import define, field
+
+from pie.events.batching import ForwardCompleted
+from pie.events.kv import RequestFailed
+from pie.events.sampling import SAMPLERS, SamplingSlot, SlotOp, SlotOutput, TokenOutput
+from pie.events.speculation import LanePassApplied, Lease, LeaseReleased, SpeculationTally
+
+QUEUED, RUNNING, DONE = 0, 1, 2
+SEED_MODULUS = 2**63
+"""Seeds live in 0..2**63-1; a stream's next seed wraps around there (the SDK's rule)."""
+
+Deliver = Callable[[Any], None]
+"""Fills a program's pollable with a ForwardCompleted or a RequestFailed."""
+Post = Callable[[list[tuple[str, Any]]], None]
+"""Hands (destination, event) pairs to the Trio thread, in order, without waiting."""
+
+
+class LaneBusy(Exception):
+    """The context already has a pass its program has not received."""
+
+
+@define(eq=False)
+class LanePass:
+    lane: Lane
+    token: int
+    position: int
+    slot: int
+    op: SlotOp
+    staged: bool
+    state: int = QUEUED
+    output: SlotOutput | None = None
+    corr: int = 0
+    deliver: Deliver | None = None
+    dropped: bool = False
+
+    @property
+    def page_index(self) -> int:
+        return self.slot // self.lane.page_size
+
+
+@define(eq=False)
+class Lane:
+    lease: Lease
+    page_size: int
+    base_slot: int
+    """Where the pass after every claimed one writes."""
+    base_position: int
+    base_token: int | None
+    """The token the next pass would feed: the last claimed pass's output, once known."""
+    base_op: SlotOp
+    pending: LanePass | None = None
+    """A claimed pass not yet delivered (at most one: a context runs one pass at a time)."""
+    staged: collections.deque[LanePass] = field(factory=collections.deque)
+    live: int = 0
+    """Passes queued or running that will still run (claimed or staged)."""
+    seed_step: int = 1
+    closed: bool = False
+    released: bool = False
+
+    @property
+    def capacity(self) -> int:
+        return len(self.lease.pages) * self.page_size
+
+    def pages_for(self, slot: int) -> tuple[int, ...]:
+        return self.lease.pages[: slot // self.page_size + 1]
+
+    def page_of(self, slot: int) -> int:
+        return self.lease.pages[slot // self.page_size]
+
+
+_COUNTS = tuple(attrs.fields_dict(SpeculationTally))
+
+
+class _Counts:
+    """The tally's counters as plain attributes (this is on the per-token path)."""
+
+    __slots__ = _COUNTS
+    staged: int
+    hits: int
+    misses: int
+    dropped_chains: int
+    wasted_passes: int
+    direct: int
+    leases: int
+
+    def __init__(self) -> None:
+        for name in _COUNTS:
+            setattr(self, name, 0)
+
+    def take(self) -> SpeculationTally | None:
+        """The counts so far, reset to zero; None when there are none."""
+        values = {name: getattr(self, name) for name in _COUNTS}
+        if not any(values.values()):
+            return None
+        for name in _COUNTS:
+            setattr(self, name, 0)
+        return SpeculationTally(**values)
+
+
+@define
+class Effects:
+    """What to do once the lock is released: posts to Trio first, then deliveries."""
+
+    events: list[tuple[str, Any]] = field(factory=list)
+    deliveries: list[tuple[Deliver, Any]] = field(factory=list)
+
+
+class Lanes:
+    def __init__(
+        self, *, page_size: int, vocab_size: int, depth: int, post: Post, address: str = "kv"
+    ) -> None:
+        if depth < 0:
+            raise ValueError("speculation depth must be >= 0")
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.depth = depth
+        self.cond = threading.Condition()
+        self._post = post
+        self._kv = address
+        self._lanes: dict[int, Lane] = {}
+        self._ready: collections.deque[LanePass] = collections.deque()
+        self._requesters: set[str] = set()
+        self._counts = _Counts()
+        self._totals = _Counts()
+        self.awaited: set[Lane] = set()
+        """Lanes that took part in the last pass and whose program is expected to submit the
+        next one (nothing staged for them): the pass loop waits a little for them at depth 0."""
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def open_requester(self, requester: str) -> None:
+        """`requester` may hold lanes (its contexts' leases are used)."""
+        with self.cond:
+            self._requesters.add(requester)
+
+    def close_requester(self, requester: str) -> None:
+        """Closes every lane of `requester`, which is gone."""
+        effects = Effects()
+        with self.cond:
+            self._requesters.discard(requester)
+            for lane in [la for la in self._lanes.values() if la.lease.requester == requester]:
+                self._close(lane, effects)
+            self._tally(effects)
+        self.run(effects)
+
+    def statistics(self) -> SpeculationTally:
+        with self.cond:
+            return SpeculationTally(**{name: getattr(self._totals, name) for name in _COUNTS})
+
+    # -- program threads ---------------------------------------------------------------------
+
+    def submit(
+        self,
+        context: int,
+        requester: str,
+        corr: int,
+        tokens: Sequence[int],
+        positions: Sequence[int] | None,
+        slots: Sequence[SamplingSlot],
+        deliver: Deliver,
+    ) -> bool:
+        """Takes a pass on the context's lane, staged or run on demand; False when the pass is
+        not a plain decode the lane can run, in which case the lane is closed and the pass
+        must go the slow way. Raises LaneBusy while the lane's last pass is undelivered."""
+        effects = Effects()
+        with self.cond:
+            lane = self._lanes.get(context)
+            if lane is None or lane.lease.requester != requester:
+                return False
+            if lane.pending is not None:
+                raise LaneBusy(f"context {context} has a pass in flight")
+            if not self._fits(lane, tokens, positions, slots):
+                self._close(lane, effects)
+                taken = False
+            else:
+                self._take(lane, corr, tokens[0], slots[0].op, deliver, effects)
+                taken = True
+            self._tally(effects)
+        self.run(effects)
+        return taken
+
+    def close(self, context: int, requester: str, *, running_ok: bool = False) -> None:
+        """Takes the context off the fast path before a command that changes it. Raises
+        LaneBusy while a pass its program asked for is undelivered, unless `running_ok`
+        (destroying the context), in which case that pass is still delivered."""
+        effects = Effects()
+        with self.cond:
+            lane = self._lanes.get(context)
+            if lane is None or lane.lease.requester != requester:
+                return
+            if lane.pending is not None and not running_ok:
+                raise LaneBusy(f"context {context} has a pass in flight")
+            self._close(lane, effects)
+            self._tally(effects)
+        self.run(effects)
+
+    # -- the pass loop (driver thread) -------------------------------------------------------
+
+    def has_ready(self) -> bool:
+        return bool(self._ready)
+
+    def take_ready(self, limit: int) -> list[LanePass]:
+        """Up to `limit` queued passes, marked running (the caller holds `cond`)."""
+        taken: list[LanePass] = []
+        while self._ready and len(taken) < limit:
+            lane_pass = self._ready.popleft()
+            if lane_pass.dropped:
+                continue
+            lane_pass.state = RUNNING
+            self.awaited.discard(lane_pass.lane)
+            taken.append(lane_pass)
+        return taken
+
+    def opened(self, lease: Lease, output: SlotOutput | None) -> Effects:
+        """The pass that granted `lease` ended (`output` None: it failed). The caller runs
+        the effects returned (`run`), in order with every other batch of them."""
+        effects = Effects()
+        with self.cond:
+            old = self._lanes.get(lease.context)
+            if old is not None:
+                self._close(old, effects)
+            if not isinstance(output, TokenOutput) or lease.requester not in self._requesters:
+                effects.events.append(
+                    (self._kv, LeaseReleased(lease=lease.lease, context=lease.context))
+                )
+            else:
+                lane = Lane(
+                    lease=lease,
+                    page_size=self.page_size,
+                    base_slot=lease.next_slot,
+                    base_position=lease.next_position,
+                    base_token=output.token,
+                    base_op=lease.op,
+                )
+                self._lanes[lease.context] = lane
+                self._counts.leases += 1
+                self._stage(lane)
+            self._tally(effects)
+        return effects
+
+    def completed(
+        self, passes: Sequence[LanePass], outputs: Sequence[SlotOutput | None]
+    ) -> Effects:
+        """The pass loop ran `passes` (None outputs failed): stages what follows them and
+        returns the posts and deliveries for the caller to `run`."""
+        effects = Effects()
+        with self.cond:
+            for lane_pass, output in zip(passes, outputs, strict=True):
+                self._completed(lane_pass, output, effects)
+            self._tally(effects)
+        return effects
+
+    def run(self, effects: Effects) -> None:
+        """Posts to Trio, then delivers to programs. Effects of one lane are run in the order
+        they were made: those of the pass loop on one thread, one batch after another; a
+        program's own only once it has received everything before them."""
+        if effects.events:
+            self._post(effects.events)
+        for deliver, value in effects.deliveries:
+            deliver(value)
+
+    # -- internals (callers hold `cond`) -----------------------------------------------------
+
+    def _fits(
+        self,
+        lane: Lane,
+        tokens: Sequence[int],
+        positions: Sequence[int] | None,
+        slots: Sequence[SamplingSlot],
+    ) -> bool:
+        return (
+            len(tokens) == 1
+            and 0 <= tokens[0] < self.vocab_size
+            and (positions is None or tuple(positions) == (lane.base_position,))
+            and len(slots) == 1
+            and slots[0].index == 0
+            and isinstance(slots[0].op, SAMPLERS)
+            and lane.base_slot < lane.capacity
+        )
+
+    def _take(
+        self, lane: Lane, corr: int, token: int, op: SlotOp, deliver: Deliver, effects: Effects
+    ) -> None:
+        if lane.staged:
+            first = lane.staged[0]
+            if first.token == token and first.op == op:
+                lane.staged.popleft()
+                first.corr, first.deliver = corr, deliver
+                self._counts.hits += 1
+                if first.state == DONE:
+                    self._hand_over(first, effects)
+                else:
+                    lane.pending = first
+                return
+            self._counts.misses += 1
+            self._learn_seed_step(lane, op)
+            self._drop_staged(lane)
+        direct = LanePass(
+            lane=lane,
+            token=token,
+            position=lane.base_position,
+            slot=lane.base_slot,
+            op=op,
+            staged=False,
+            corr=corr,
+            deliver=deliver,
+        )
+        lane.pending = direct
+        self._counts.direct += 1
+        self._queue(direct)
+
+    def _completed(self, lane_pass: LanePass, output: SlotOutput | None, effects: Effects) -> None:
+        lane = lane_pass.lane
+        lane_pass.state = DONE
+        lane_pass.output = output
+        lane.live -= 1
+        if lane_pass.dropped:
+            self._counts.wasted_passes += 1
+        elif output is None:
+            # A lane pass the driver refused: nothing in it can be trusted to go on from.
+            if lane_pass.deliver is not None:
+                failed = RequestFailed(
+                    corr=lane_pass.corr, kind="driver", message="the forward pass failed"
+                )
+                effects.deliveries.append((lane_pass.deliver, failed))
+                lane.pending = None
+            self._close(lane, effects)
+        elif lane_pass.deliver is not None:
+            self._hand_over(lane_pass, effects)
+            if not lane.closed and lane.pending is None and not lane.staged:
+                self.awaited.add(lane)
+        else:
+            self._stage(lane)
+        if lane.closed:
+            self._maybe_release(lane, effects)
+
+    def _hand_over(self, lane_pass: LanePass, effects: Effects) -> None:
+        """Delivers a claimed pass that is done, after telling the kv actor of it."""
+        lane = lane_pass.lane
+        assert lane_pass.deliver is not None and lane_pass.output is not None
+        outputs = (lane_pass.output,)
+        if not lane.closed:
+            applied = LanePassApplied(
+                lease=lane.lease.lease,
+                context=lane.lease.context,
+                corr=lane_pass.corr,
+                token=lane_pass.token,
+                position=lane_pass.position,
+                page=lane.page_of(lane_pass.slot),
+                staged=lane_pass.staged,
+                outputs=outputs,
+            )
+            effects.events.append((self._kv, applied))
+        reply = ForwardCompleted(corr=lane_pass.corr, context=lane.lease.context, outputs=outputs)
+        effects.deliveries.append((lane_pass.deliver, reply))
+        if lane.pending is lane_pass:
+            lane.pending = None
+        lane.base_slot = lane_pass.slot + 1
+        lane.base_position = lane_pass.position + 1
+        out = lane_pass.output
+        lane.base_token = out.token if isinstance(out, TokenOutput) else None
+        lane.base_op = lane_pass.op
+        if not lane.closed:
+            self._stage(lane)
+
+    def _stage(self, lane: Lane) -> None:
+        """Stages the lane's next pass when the depth allows and its input is known."""
+        if lane.closed or len(lane.staged) >= self.depth:
+            return
+        if lane.staged:
+            last = lane.staged[-1]
+            if last.state != DONE or not isinstance(last.output, TokenOutput):
+                return
+            token, slot, position, op = last.output.token, last.slot, last.position, last.op
+        else:
+            if lane.pending is not None or lane.base_token is None:
+                return
+            token, op = lane.base_token, lane.base_op
+            slot, position = lane.base_slot - 1, lane.base_position - 1
+        if slot + 1 >= lane.capacity:
+            return
+        staged = LanePass(
+            lane=lane,
+            token=token,
+            position=position + 1,
+            slot=slot + 1,
+            op=self._next_op(lane, op),
+            staged=True,
+        )
+        lane.staged.append(staged)
+        self._counts.staged += 1
+        self._queue(staged)
+
+    def _next_op(self, lane: Lane, op: SlotOp) -> SlotOp:
+        seed = getattr(op, "seed", None)
+        if seed is None or lane.seed_step == 0:
+            return op
+        return attrs.evolve(op, seed=(seed + lane.seed_step) % SEED_MODULUS)  # type: ignore[misc]
+
+    def _learn_seed_step(self, lane: Lane, op: SlotOp) -> None:
+        """A program that reuses one seed, or strides by another step, is predicted so from
+        its next pass on."""
+        got, had = getattr(op, "seed", None), getattr(lane.base_op, "seed", None)
+        if got is None or had is None or type(op) is not type(lane.base_op):
+            return
+        if attrs.evolve(op, seed=had) == lane.base_op:  # type: ignore[misc]
+            lane.seed_step = (got - had) % SEED_MODULUS
+
+    def _queue(self, lane_pass: LanePass) -> None:
+        lane_pass.lane.live += 1
+        self._ready.append(lane_pass)
+        self.awaited.discard(lane_pass.lane)
+        self.cond.notify_all()
+
+    def _drop_staged(self, lane: Lane) -> None:
+        if not lane.staged:
+            return
+        self._counts.dropped_chains += 1
+        for staged in lane.staged:
+            staged.dropped = True
+            if staged.state == QUEUED:
+                lane.live -= 1
+            elif staged.state == DONE:
+                self._counts.wasted_passes += 1
+        lane.staged.clear()
+
+    def _close(self, lane: Lane, effects: Effects) -> None:
+        if lane.closed:
+            return
+        lane.closed = True
+        self._drop_staged(lane)
+        self.awaited.discard(lane)
+        if self._lanes.get(lane.lease.context) is lane:
+            del self._lanes[lane.lease.context]
+        self._maybe_release(lane, effects)
+
+    def _maybe_release(self, lane: Lane, effects: Effects) -> None:
+        if lane.live == 0 and not lane.released:
+            lane.released = True
+            released = LeaseReleased(lease=lane.lease.lease, context=lane.lease.context)
+            effects.events.append((self._kv, released))
+
+    def _tally(self, effects: Effects) -> None:
+        tally = self._counts.take()
+        if tally is not None:
+            for name in _COUNTS:
+                setattr(self._totals, name, getattr(self._totals, name) + getattr(tally, name))
+            effects.events.append(("speculator", tally))

@@ -1,0 +1,196 @@
+"""`pie bench tax`: the programmability tax, side by side at each speculation depth.
+
+A driver whose forward pass takes a fixed time T stands in for the model, and the
+text-completion inferlet's generate loop runs at several concurrencies. Everything a token
+costs beyond T is the runtime's: host calls, the guest's own Python, batching and delivery.
+With a think time W the guest also busies itself for W per token, as an agent would.
+With --real the configured model runs instead (T is then its measured mean pass time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pie.bench_inferlets import TEXT_COMPLETION, cached_component
+from pie.config import with_overrides
+from pie.drivers.base import Driver
+from pie.drivers.synthetic import SyntheticDriver
+from pie.engine import Engine, open_engine
+
+THINK_SOURCE = '''"""text-completion's generate loop, busy for `think_us` after every token."""
+
+import time
+
+from inferlet import Context, Sampler, get_model
+
+
+async def main(input):
+    think = input["think_us"] / 1e6
+    with Context(get_model()) as ctx:
+        ctx.user(input["prompt"]).cue()
+        gen = ctx.generate(Sampler.argmax(), max_tokens=input["max_tokens"])
+        while not gen.done:
+            await gen.step()
+            until = time.perf_counter() + think
+            while time.perf_counter() < until:
+                pass
+        return len(gen.tokens)
+'''
+
+
+def _think_component() -> bytes:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "think"
+        folder.mkdir()
+        (folder / "main.py").write_text(THINK_SOURCE)
+        return cached_component(folder)
+
+
+async def _wall(engine: Engine, program: str, concurrency: int, tokens: int, think: float) -> float:
+    """Seconds for `concurrency` completions of exactly `tokens` tokens each, run at once."""
+    request: dict[str, Any] = {"prompt": "Count with me.", "max_tokens": tokens}
+    if think:
+        request["think_us"] = think
+    else:
+        request["temperature"] = 0
+    text = json.dumps(request)
+    failures: list[str] = []
+
+    async def one() -> None:
+        outcome = await engine.run_inferlet(program, text)
+        if not outcome.ok:
+            failures.append(outcome.error or outcome.status)
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(one)
+    if failures:
+        raise RuntimeError(f"a benchmark inferlet failed: {failures[0]}")
+    return time.perf_counter() - started
+
+
+async def _row(
+    engine: Engine, program: str, concurrency: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Per-token wall time from the difference of a short and a long run (launch and prefill
+    cancel out), the median of `args.repeats`."""
+    short, long = 4, 4 + args.tokens
+    await _wall(engine, program, concurrency, short, args.think_us)
+    before = engine.statistics()
+    per_token = []
+    for _ in range(args.repeats):
+        a = await _wall(engine, program, concurrency, short, args.think_us)
+        b = await _wall(engine, program, concurrency, long, args.think_us)
+        per_token.append((b - a) / (long - short))
+    after = engine.statistics()
+    wall = statistics.median(per_token)
+    passes = after.inference.passes - before.inference.passes
+    busy = after.inference.busy_seconds - before.inference.busy_seconds
+    pass_seconds = args.pass_ms / 1000 if not args.real else busy / max(passes, 1)
+    spec, old = after.speculation, before.speculation
+    hits = spec.hits - old.hits
+    settled = hits + spec.wasted_passes - old.wasted_passes
+    return {
+        "tps": concurrency / wall,
+        "ideal_tps": None if args.real else concurrency / pass_seconds,
+        "overhead_us_per_token": (wall - pass_seconds) * 1e6,
+        "hit_rate": hits / settled if settled else 0.0,
+        "us_per_token": wall * 1e6,
+        "pass_ms": pass_seconds * 1e3,
+        "mean_batch": (
+            (
+                after.inference.lane_passes
+                - before.inference.lane_passes
+                + after.scheduler.requests
+                - before.scheduler.requests
+            )
+            / passes
+            if passes
+            else 0.0
+        ),
+    }
+
+
+def _driver(args: argparse.Namespace, vocab_size: int) -> Driver:
+    return SyntheticDriver(pass_seconds=args.pass_ms / 1000, vocab_size=vocab_size)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pie.cli import engine_config
+    from pie.drivers.loader import resolve_model
+    from pie.drivers.tokenizer import Tokenizer
+
+    base = with_overrides(engine_config(args), event_log={"enabled": False})
+    wasm = _think_component() if args.think_us else cached_component(TEXT_COMPLETION)
+    rows: list[dict[str, Any]] = []
+    settings: list[tuple[int | None, dict[str, Any]]] = [
+        (depth, {"speculation_depth": depth}) for depth in args.depths
+    ]
+    if args.slow_path:
+        settings.insert(0, (None, {"fast_path": False}))
+
+    async def main() -> None:
+        real: tuple[Any, Any] | None = None
+        tokenizer = None
+        if args.real:
+            from pie.drivers.factory import build_torch_driver
+
+            real = await trio.to_thread.run_sync(build_torch_driver, base)
+        else:
+            tokenizer = Tokenizer.from_folder(resolve_model(base.model.path or None))
+        for depth, scheduler in settings:
+            config = with_overrides(base, scheduler=scheduler)
+            if real is not None:
+                driver, tokenizer = real
+            else:
+                assert tokenizer is not None
+                driver = _driver(args, tokenizer.vocab_size)
+            async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+                program = engine.programs.add(wasm).hash
+                for concurrency in args.concurrency:
+                    row = await _row(engine, program, concurrency, args)
+                    rows.append({"depth": depth, "concurrency": concurrency, **row})
+                    _progress(rows[-1])
+
+    trio.run(main)
+    return rows
+
+
+def _progress(row: dict[str, Any]) -> None:
+    import sys
+
+    print(
+        f"  depth {row['depth']}, {row['concurrency']} inferlets: {row['tps']:.1f} tokens/s",
+        file=sys.stderr,
+    )
+
+
+def run_bench_tax(args: argparse.Namespace) -> int:
+    rows = measure(args)
+    if args.json:
+        print(json.dumps({"pass_ms": args.pass_ms, "think_us": args.think_us, "rows": rows}))
+        return 0
+    what = "the configured model" if args.real else f"a fixed {args.pass_ms} ms forward pass"
+    print(f"{what}; text-completion's generate loop, greedy; think time {args.think_us} us/token")
+    print(
+        f"{'depth':>6}{'inferlets':>10}{'tokens/s':>11}{'ideal':>9}{'overhead us':>13}"
+        f"{'hit rate':>10}{'batch':>7}"
+    )
+    for row in rows:
+        depth = "off" if row["depth"] is None else str(row["depth"])
+        ideal = "-" if row["ideal_tps"] is None else f"{row['ideal_tps']:.0f}"
+        print(
+            f"{depth:>6}{row['concurrency']:>10}{row['tps']:>11.1f}{ideal:>9}"
+            f"{row['overhead_us_per_token']:>13.0f}{row['hit_rate']:>10.1%}"
+            f"{row['mean_batch']:>7.1f}"
+        )
+    return 0

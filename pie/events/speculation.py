@@ -1,0 +1,79 @@
+"""Events of the fast path: leases the kv actor grants, passes run on them, and the speculator's
+tallies.
+
+A lease lets the driver thread run one context's plain decodes (one token in, one token
+sampler at it) without a round trip through the kv actor and the scheduler: it names the pages
+those passes may read and write, all pinned until the lease is released. The kv actor learns
+of each pass the context's program actually received through `LanePassApplied`, and
+extends the context then, so the page table stays the kv actor's alone.
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+from pie.events.sampling import SlotOp, SlotOutput
+
+
+@frozen(kw_only=True)
+class Lease:
+    lease: int
+    context: int
+    requester: str
+    pages: tuple[int, ...]
+    """The context's pages, then its reserved pages in the order it takes them."""
+    owned: int
+    """How many of `pages` the context holds tokens in; the rest are its reserve."""
+    masked_pages: tuple[int, ...]
+    next_slot: int
+    """The kv slot the next token is written to (the context's length after the granting pass)."""
+    next_position: int
+    op: SlotOp
+    """The sampler of the pass that granted the lease: staged passes predict it again."""
+
+
+@frozen(kw_only=True)
+class LanePassApplied:
+    """A pass run on a lease was handed to its program: the context now holds `token`.
+
+    `staged` says the pass was run ahead of the program's request (a hit); otherwise it ran on
+    request. The kv actor appends the token at the context's end, taking the next reserved page
+    when the token starts one (`page`).
+    """
+
+    lease: int
+    context: int
+    corr: int
+    token: int
+    position: int
+    page: int
+    staged: bool
+    outputs: tuple[SlotOutput, ...]
+
+
+@frozen(kw_only=True)
+class LeaseReleased:
+    """No pass of the lease runs or will run: its pages are unpinned."""
+
+    lease: int
+    context: int
+
+
+@frozen(kw_only=True)
+class SpeculationTally:
+    """Counts since the last tally, reported to the speculator with each finished pass."""
+
+    staged: int = 0
+    """Passes built ahead of their program's request."""
+    hits: int = 0
+    """Requests served from a staged pass."""
+    misses: int = 0
+    """Requests that found a different pass staged."""
+    dropped_chains: int = 0
+    """Staged chains thrown away (a miss, or the context left the fast path)."""
+    wasted_passes: int = 0
+    """Staged passes that ran and were never used."""
+    direct: int = 0
+    """Passes run on a lease at the program's request, with nothing staged."""
+    leases: int = 0
+    """Lanes opened on a granted lease."""
