@@ -37,17 +37,22 @@ def cached_component(folder: Path) -> bytes:
     return cached_build(folder, default_cache_dir() / "inferlets").read_bytes()
 
 
-def _idle_component() -> bytes:
+def component_from_source(name: str, source: str) -> bytes:
+    """A one-file inferlet (`main.py` = `source`), built and cached like a folder."""
     with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch) / "idle"
+        folder = Path(scratch) / name
         folder.mkdir()
-        (folder / "main.py").write_text(IDLE_SOURCE)
+        (folder / "main.py").write_text(source)
         return cached_component(folder)
 
 
-async def _completions(engine: Engine, program: str, concurrency: int, tokens: int) -> float:
-    """Wall time for `concurrency` text completions of `tokens` tokens each, run at once."""
-    request = json.dumps({"prompt": "Count with me.", "max_tokens": tokens, "temperature": 0})
+async def _completions(
+    engine: Engine, program: str, concurrency: int, tokens: int, extra: dict[str, Any]
+) -> float:
+    """Wall time for `concurrency` greedy completions of `tokens` tokens each, run at once;
+    `extra` goes into each request."""
+    fields = {"prompt": "Count with me.", "max_tokens": tokens, "temperature": 0, **extra}
+    request = json.dumps(fields)
     failures: list[str] = []
 
     async def one() -> None:
@@ -64,17 +69,33 @@ async def _completions(engine: Engine, program: str, concurrency: int, tokens: i
     return time.perf_counter() - started
 
 
-async def _overhead(engine: Engine, program: str, concurrency: int, args: Any) -> dict[str, float]:
-    """Per-token wall time from the difference of a short and a long generation, so that
-    launch and prefill cancel out; the median of `args.repeats` runs."""
-    short, long = 4, 4 + args.tokens
-    await _completions(engine, program, concurrency, short)
+async def per_token_seconds(
+    engine: Engine,
+    program: str,
+    concurrency: int,
+    *,
+    tokens: int,
+    repeats: int,
+    extra: dict[str, Any] | None = None,
+) -> float:
+    """Per-token wall time of one of `concurrency` generations running at once, from the
+    difference of a short and a long run, so that launch and prefill cancel out; the median of
+    `repeats`, after one warm-up run."""
+    short, long = 4, 4 + tokens
+    extra = extra or {}
+    await _completions(engine, program, concurrency, short, extra)
     per_token = []
-    for _ in range(args.repeats):
-        a = await _completions(engine, program, concurrency, short)
-        b = await _completions(engine, program, concurrency, long)
+    for _ in range(repeats):
+        a = await _completions(engine, program, concurrency, short, extra)
+        b = await _completions(engine, program, concurrency, long, extra)
         per_token.append((b - a) / (long - short))
-    wall = statistics.median(per_token)
+    return statistics.median(per_token)
+
+
+async def _overhead(engine: Engine, program: str, concurrency: int, args: Any) -> dict[str, float]:
+    wall = await per_token_seconds(
+        engine, program, concurrency, tokens=args.tokens, repeats=args.repeats
+    )
     pass_seconds = args.pass_ms / 1000
     return {
         "us_per_token": wall * 1e6,
@@ -130,7 +151,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     tokenizer = Tokenizer.from_folder(resolve_model(None))
     text_completion = cached_component(TEXT_COMPLETION)
-    idle = _idle_component()
+    idle = component_from_source("idle", IDLE_SOURCE)
     driver_args = {"pass_seconds": args.pass_ms / 1000, "vocab_size": tokenizer.vocab_size}
     config = with_overrides(EngineConfig(), event_log={"enabled": False})
     figures: dict[str, Any] = {"pass_ms": args.pass_ms, "tokens": args.tokens}

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import trio
 
-from pie.bench_inferlets import TEXT_COMPLETION, cached_component
+from pie.bench_inferlets import (
+    TEXT_COMPLETION,
+    cached_component,
+    component_from_source,
+    per_token_seconds,
+)
 from pie.config import with_overrides
 from pie.drivers.base import Driver
 from pie.drivers.synthetic import SyntheticDriver
@@ -46,53 +47,19 @@ async def main(input):
 '''
 
 
-def _think_component() -> bytes:
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch) / "think"
-        folder.mkdir()
-        (folder / "main.py").write_text(THINK_SOURCE)
-        return cached_component(folder)
-
-
-async def _wall(engine: Engine, program: str, concurrency: int, tokens: int, think: float) -> float:
-    """Seconds for `concurrency` completions of exactly `tokens` tokens each, run at once."""
-    request: dict[str, Any] = {"prompt": "Count with me.", "max_tokens": tokens}
-    if think:
-        request["think_us"] = think
-    else:
-        request["temperature"] = 0
-    text = json.dumps(request)
-    failures: list[str] = []
-
-    async def one() -> None:
-        outcome = await engine.run_inferlet(program, text)
-        if not outcome.ok:
-            failures.append(outcome.error or outcome.status)
-
-    started = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(one)
-    if failures:
-        raise RuntimeError(f"a benchmark inferlet failed: {failures[0]}")
-    return time.perf_counter() - started
-
-
 async def _row(
     engine: Engine, program: str, concurrency: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Per-token wall time from the difference of a short and a long run (launch and prefill
-    cancel out), the median of `args.repeats`."""
-    short, long = 4, 4 + args.tokens
-    await _wall(engine, program, concurrency, short, args.think_us)
     before = engine.statistics()
-    per_token = []
-    for _ in range(args.repeats):
-        a = await _wall(engine, program, concurrency, short, args.think_us)
-        b = await _wall(engine, program, concurrency, long, args.think_us)
-        per_token.append((b - a) / (long - short))
+    wall = await per_token_seconds(
+        engine,
+        program,
+        concurrency,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        extra={"think_us": args.think_us} if args.think_us else None,
+    )
     after = engine.statistics()
-    wall = statistics.median(per_token)
     passes = after.inference.passes - before.inference.passes
     busy = after.inference.busy_seconds - before.inference.busy_seconds
     pass_seconds = args.pass_ms / 1000 if not args.real else busy / max(passes, 1)
@@ -130,7 +97,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pie.drivers.tokenizer import Tokenizer
 
     base = with_overrides(engine_config(args), event_log={"enabled": False})
-    wasm = _think_component() if args.think_us else cached_component(TEXT_COMPLETION)
+    wasm = (
+        component_from_source("think", THINK_SOURCE)
+        if args.think_us
+        else cached_component(TEXT_COMPLETION)
+    )
     rows: list[dict[str, Any]] = []
     settings: list[tuple[int | None, dict[str, Any]]] = [
         (depth, {"speculation_depth": depth}) for depth in args.depths

@@ -28,73 +28,24 @@ from typing import Any
 import attrs
 from attrs import define, field
 
+from pie.actors.speculator.lane import (
+    DONE,
+    QUEUED,
+    RUNNING,
+    Deliver,
+    Lane,
+    LaneBusy,
+    LanePass,
+)
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
 from pie.events.sampling import SAMPLERS, SamplingSlot, SlotOp, SlotOutput, TokenOutput
 from pie.events.speculation import LanePassApplied, Lease, LeaseReleased, SpeculationTally
 
-QUEUED, RUNNING, DONE = 0, 1, 2
-SEED_MODULUS = 2**63
-"""Seeds live in 0..2**63-1; a stream's next seed wraps around there (the SDK's rule)."""
-
-Deliver = Callable[[Any], None]
-"""Fills a program's pollable with a ForwardCompleted or a RequestFailed."""
 Post = Callable[[list[tuple[str, Any]]], None]
 """Hands (destination, event) pairs to the Trio thread, in order, without waiting."""
 
-
-class LaneBusy(Exception):
-    """The context already has a pass its program has not received."""
-
-
-@define(eq=False)
-class LanePass:
-    lane: Lane
-    token: int
-    position: int
-    slot: int
-    op: SlotOp
-    staged: bool
-    state: int = QUEUED
-    output: SlotOutput | None = None
-    corr: int = 0
-    deliver: Deliver | None = None
-    dropped: bool = False
-
-    @property
-    def page_index(self) -> int:
-        return self.slot // self.lane.page_size
-
-
-@define(eq=False)
-class Lane:
-    lease: Lease
-    page_size: int
-    base_slot: int
-    """Where the pass after every claimed one writes."""
-    base_position: int
-    base_token: int | None
-    """The token the next pass would feed: the last claimed pass's output, once known."""
-    base_op: SlotOp
-    pending: LanePass | None = None
-    """A claimed pass not yet delivered (at most one: a context runs one pass at a time)."""
-    staged: collections.deque[LanePass] = field(factory=collections.deque)
-    live: int = 0
-    """Passes queued or running that will still run (claimed or staged)."""
-    seed_step: int = 1
-    closed: bool = False
-    released: bool = False
-
-    @property
-    def capacity(self) -> int:
-        return len(self.lease.pages) * self.page_size
-
-    def pages_for(self, slot: int) -> tuple[int, ...]:
-        return self.lease.pages[: slot // self.page_size + 1]
-
-    def page_of(self, slot: int) -> int:
-        return self.lease.pages[slot // self.page_size]
-
+__all__ = ["DONE", "Effects", "LaneBusy", "LanePass", "Lanes"]
 
 _COUNTS = tuple(attrs.fields_dict(SpeculationTally))
 
@@ -321,7 +272,7 @@ class Lanes:
                     lane.pending = first
                 return
             self._counts.misses += 1
-            self._learn_seed_step(lane, op)
+            lane.learn_seed_step(op)
             self._drop_staged(lane)
         direct = LanePass(
             lane=lane,
@@ -412,27 +363,12 @@ class Lanes:
             token=token,
             position=position + 1,
             slot=slot + 1,
-            op=self._next_op(lane, op),
+            op=lane.next_op(op),
             staged=True,
         )
         lane.staged.append(staged)
         self._counts.staged += 1
         self._queue(staged)
-
-    def _next_op(self, lane: Lane, op: SlotOp) -> SlotOp:
-        seed = getattr(op, "seed", None)
-        if seed is None or lane.seed_step == 0:
-            return op
-        return attrs.evolve(op, seed=(seed + lane.seed_step) % SEED_MODULUS)  # type: ignore[misc]
-
-    def _learn_seed_step(self, lane: Lane, op: SlotOp) -> None:
-        """A program that reuses one seed, or strides by another step, is predicted so from
-        its next pass on."""
-        got, had = getattr(op, "seed", None), getattr(lane.base_op, "seed", None)
-        if got is None or had is None or type(op) is not type(lane.base_op):
-            return
-        if attrs.evolve(op, seed=had) == lane.base_op:  # type: ignore[misc]
-            lane.seed_step = (got - had) % SEED_MODULUS
 
     def _queue(self, lane_pass: LanePass) -> None:
         lane_pass.lane.live += 1

@@ -1,0 +1,87 @@
+"""One context's lane: its lease, the passes run or staged on it, and the prediction of the
+sampler its next pass will use (pie/actors/speculator/lanes.py coordinates lanes)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from attrs import define, field
+
+from pie.events.sampling import SlotOp, SlotOutput
+from pie.events.speculation import Lease
+
+QUEUED, RUNNING, DONE = 0, 1, 2
+SEED_MODULUS = 2**63
+"""Seeds live in 0..2**63-1; a stream's next seed wraps around there (the SDK's rule)."""
+
+Deliver = Callable[[Any], None]
+"""Fills a program's pollable with a ForwardCompleted or a RequestFailed."""
+
+
+class LaneBusy(Exception):
+    """The context already has a pass its program has not received."""
+
+
+@define(eq=False)
+class LanePass:
+    lane: Lane
+    token: int
+    position: int
+    slot: int
+    op: SlotOp
+    staged: bool
+    state: int = QUEUED
+    output: SlotOutput | None = None
+    corr: int = 0
+    deliver: Deliver | None = None
+    dropped: bool = False
+
+
+@define(eq=False)
+class Lane:
+    lease: Lease
+    page_size: int
+    base_slot: int
+    """Where the pass after every claimed one writes."""
+    base_position: int
+    base_token: int | None
+    """The token the next pass would feed: the last claimed pass's output, once known."""
+    base_op: SlotOp
+    pending: LanePass | None = None
+    """A claimed pass not yet delivered (at most one: a context runs one pass at a time)."""
+    staged: collections.deque[LanePass] = field(factory=collections.deque)
+    live: int = 0
+    """Passes queued or running that will still run (claimed or staged)."""
+    seed_step: int = 1
+    closed: bool = False
+    released: bool = False
+
+    @property
+    def capacity(self) -> int:
+        return len(self.lease.pages) * self.page_size
+
+    def pages_for(self, slot: int) -> tuple[int, ...]:
+        return self.lease.pages[: slot // self.page_size + 1]
+
+    def page_of(self, slot: int) -> int:
+        return self.lease.pages[slot // self.page_size]
+
+    def next_op(self, op: SlotOp) -> SlotOp:
+        """The sampler predicted for the pass after one run with `op`: its seed stream moves
+        on by the lane's step."""
+        seed = getattr(op, "seed", None)
+        if seed is None or self.seed_step == 0:
+            return op
+        return attrs.evolve(op, seed=(seed + self.seed_step) % SEED_MODULUS)  # type: ignore[misc]
+
+    def learn_seed_step(self, op: SlotOp) -> None:
+        """A program that reuses one seed, or strides by another step, is predicted so from
+        its next pass on (`op` is what it asked for instead of the prediction)."""
+        got, had = getattr(op, "seed", None), getattr(self.base_op, "seed", None)
+        if got is None or had is None or type(op) is not type(self.base_op):
+            return
+        if attrs.evolve(op, seed=had) == self.base_op:  # type: ignore[misc]
+            self.seed_step = (got - had) % SEED_MODULUS
