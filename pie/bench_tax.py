@@ -4,13 +4,15 @@ A driver whose forward pass takes a fixed time T stands in for the model, and th
 text-completion inferlet's generate loop runs at several concurrencies. Everything a token
 costs beyond T is the runtime's: host calls, the guest's own Python, batching and delivery.
 With a think time W the guest also busies itself for W per token, as an agent would.
-With --real the configured model runs instead (T is then its measured mean pass time).
+With --real the configured model runs instead (T is then the mean time of its decode passes
+in that row).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 import trio
@@ -23,8 +25,10 @@ from pie.bench_inferlets import (
 )
 from pie.config import with_overrides
 from pie.drivers.base import Driver
+from pie.drivers.batch import ForwardBatch
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
+from pie.events.sampling import SlotOutput
 
 THINK_SOURCE = '''"""text-completion's generate loop, busy for `think_us` after every token."""
 
@@ -61,8 +65,9 @@ async def _row(
     )
     after = engine.statistics()
     passes = after.inference.passes - before.inference.passes
-    busy = after.inference.busy_seconds - before.inference.busy_seconds
-    pass_seconds = args.pass_ms / 1000 if not args.real else busy / max(passes, 1)
+    pass_seconds = args.pass_ms / 1000
+    if isinstance(engine.driver, _TimedDriver):
+        pass_seconds = engine.driver.take_decode_mean()
     spec, old = after.speculation, before.speculation
     hits = spec.hits - old.hits
     settled = hits + spec.wasted_passes - old.wasted_passes
@@ -85,6 +90,30 @@ async def _row(
             else 0.0
         ),
     }
+
+
+class _TimedDriver:
+    """The real driver, timing its decode passes (one token per request: no prefill), whose
+    mean stands for T when the model runs."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        self.info = driver.info
+        self._decode: list[float] = []
+
+    def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
+        started = time.perf_counter()
+        outputs = self._driver.forward(batch)
+        if batch.num_tokens == batch.num_requests:
+            self._decode.append(time.perf_counter() - started)
+        return outputs
+
+    def take_decode_mean(self) -> float:
+        decode, self._decode = self._decode, []
+        return sum(decode) / len(decode) if decode else 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
 
 
 def _driver(args: argparse.Namespace, vocab_size: int) -> Driver:
@@ -115,11 +144,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.real:
             from pie.drivers.factory import build_torch_driver
 
-            real = await trio.to_thread.run_sync(build_torch_driver, base)
+            torch_driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, base)
+            real = (_TimedDriver(torch_driver), tokenizer)
         else:
             tokenizer = Tokenizer.from_folder(resolve_model(base.model.path or None))
         for depth, scheduler in settings:
             config = with_overrides(base, scheduler=scheduler)
+            driver: Any
             if real is not None:
                 driver, tokenizer = real
             else:

@@ -2,12 +2,13 @@
 
 Each pass takes the scheduler's batch, when one is waiting, and fills the rest of the driver's
 limits with queued lane passes (pie/actors/speculator/lanes.py), one per context. When the
-pass ends, lane results go straight to their programs and staged passes are queued before the
-next pass starts; what the scheduler sent is reported to the Trio thread as one `PassReport`.
+pass ends, staged passes are queued and the next pass starts; lane results reach their programs,
+and what the scheduler sent reaches the Trio thread as one `PassReport`, from the outbox thread
+while that next pass runs.
 
-At speculation depth 0 nothing is staged, so after a pass the loop waits for the programs of
-that pass to send their next decode before firing, up to one pass time (the scheduler's rule):
-otherwise concurrent decoders would split into ever smaller batches.
+Lanes whose programs have yet to ask for their next pass (all of them at depth 0, nothing being
+staged) are awaited: the loop waits for them before firing, up to one pass time (the
+scheduler's rule), or concurrent decoders would split into ever smaller batches.
 """
 
 from __future__ import annotations
@@ -37,13 +38,6 @@ class PassReport:
     requests: Sequence[ForwardRequest]
     results: list[list[SlotOutput] | Exception]
     seconds: float
-
-
-@define
-class _Item:
-    request: ForwardRequest | None = None
-    lane_pass: LanePass | None = None
-    result: list[SlotOutput] | Exception | None = None
 
 
 @define
@@ -101,30 +95,39 @@ class PassLoop:
     # -- the driver thread -----------------------------------------------------------------
 
     def _main(self) -> None:
+        taken: tuple[_Pending | None, list[LanePass]] | None = None
         while True:
-            with self._cond:
-                taken = self._wait_for_work()
+            if taken is None:
+                with self._cond:
+                    taken = self._wait_for_work()
                 if taken is None:
                     return
             try:
-                self._run(*taken)
+                taken = self._run(*taken)
             except Exception:  # the loop must outlive a bug in one pass's bookkeeping
                 traceback.print_exc(file=sys.stderr)
+                taken = None
 
     def _wait_for_work(self) -> tuple[_Pending | None, list[LanePass]] | None:
         while not self._stopping:
-            pending = self._batches[0] if self._batches else None
-            timeout: float | None = None
-            if pending is None and self.lanes.has_ready():
-                timeout = self._lanes_due_in()
-            if pending is not None or (
-                self.lanes.has_ready() and timeout is not None and timeout <= 0
-            ):
-                if pending is not None:
-                    self._batches.popleft()
-                return pending, self._take_lanes(pending)
+            taken, timeout = self._next_work()
+            if taken is not None:
+                return taken
             self._cond.wait(timeout)
         return None
+
+    def _next_work(self) -> tuple[tuple[_Pending | None, list[LanePass]] | None, float | None]:
+        """The next pass's work when it should start now, else None and how long to wait for
+        it (None: until notified). The caller holds `cond`."""
+        if self._batches:
+            pending = self._batches.popleft()
+            return (pending, self._take_lanes(pending)), None
+        if not self.lanes.has_ready():
+            return None, None
+        due = self._lanes_due_in()
+        if due > 0:
+            return None, due
+        return (None, self._take_lanes(None)), None
 
     def _lanes_due_in(self) -> float:
         """Seconds until queued lane passes should go without the lanes still awaited."""
@@ -138,79 +141,72 @@ class PassLoop:
         room = min(self._max_requests - requests, self._max_tokens - tokens)
         return self.lanes.take_ready(max(room, 0))
 
-    def _run(self, pending: _Pending | None, lane_passes: list[LanePass]) -> None:
+    def _run(
+        self, pending: _Pending | None, lane_passes: list[LanePass]
+    ) -> tuple[_Pending | None, list[LanePass]] | None:
+        """Runs one pass and returns the next one's work when it can start at once. Only
+        what decides that next pass is done before it: the deliveries, posts, report and
+        counters are settled by the outbox thread while it runs."""
+        requests = pending.requests if pending is not None else ()
         started = time.perf_counter()
-        items = [_Item(request=r) for r in pending.requests] if pending else []
-        items.extend(_Item(lane_pass=p) for p in lane_passes)
-        self._forward(items)
+        results, lane_outputs = self._forward(requests, lane_passes)
         ended = time.perf_counter()
         self.last_seconds = ended - started
         self._last_end = ended
-        self.passes += 1
-        self.lane_passes += len(lane_passes)
-        self.busy_seconds += ended - started
-        self.tokens += len(lane_passes) + sum(
-            len(item.request.tokens) for item in items if item.request
-        )
         effects: list[Effects] = []
-        if lane_passes:
-            outputs = [
-                None if isinstance(item.result, Exception) or not item.result else item.result[0]
-                for item in items[len(items) - len(lane_passes) :]
-            ]
-            effects.append(self.lanes.completed(lane_passes, outputs))
-        report = None
-        if pending is not None:
-            for item in items[: len(pending.requests)]:
-                request = item.request
-                assert request is not None
+        with self._cond:
+            if lane_passes:
+                effects.append(self.lanes.completed(lane_passes, lane_outputs))
+            for request, result in zip(requests, results, strict=True):
                 if request.lease is not None and request.final:
-                    result = item.result
                     output = result[-1] if isinstance(result, list) and result else None
                     effects.append(self.lanes.opened(request.lease, output))
-            report = PassReport(
-                batch=pending.batch,
-                requests=pending.requests,
-                results=[item.result for item in items[: len(pending.requests)]],  # type: ignore[misc]
-                seconds=ended - started,
-            )
-        self._settle(effects, report)
-
-    def _settle(self, effects: list[Effects], report: PassReport | None) -> None:
-        """Hands a pass's deliveries and reports on. When the next pass can start at once,
-        the outbox thread does it while that pass runs; otherwise this thread does it now
-        (after anything the outbox still holds, so their order is kept)."""
+            taken, _ = self._next_work()
 
         def settle() -> None:
+            self.passes += 1
+            self.lane_passes += len(lane_passes)
+            self.busy_seconds += ended - started
+            self.tokens += len(lane_passes) + sum(len(r.tokens) for r in requests)
             for batch in effects:
                 self.lanes.run(batch)
-            if report is not None:
-                self._report(report)
+            if pending is not None:
+                self._report(PassReport(pending.batch, requests, results, ended - started))
 
-        with self._cond:
-            ready = self.lanes.has_ready() or bool(self._batches)
-        if ready or not self._outbox.idle():
+        # When the next pass starts at once, the outbox settles this one while it runs;
+        # otherwise this thread does it now, after anything the outbox still holds.
+        if taken is not None or not self._outbox.idle():
             self._outbox.put(settle)
         else:
             settle()
+        return taken
 
-    def _forward(self, items: list[_Item]) -> None:
-        """Runs the items in one pass; when the driver refuses it, runs them one by one so
-        that only the culprit fails (the driver checks a batch before writing any KV)."""
+    def _forward(
+        self, requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
+    ) -> tuple[list[list[SlotOutput] | Exception], list[SlotOutput | None]]:
+        """Runs the requests and lane passes in one pass: each request's outputs (or what
+        failed it) and each lane pass's output (None: it failed). When the driver refuses
+        the batch, its parts run one by one so that only the culprit fails (the driver
+        checks a batch before writing any KV)."""
         try:
-            outputs = self.driver.forward(_batch(items))
+            outputs = self.driver.forward(_batch(requests, lane_passes))
         except Exception as err:
-            if len(items) == 1:
-                items[0].result = err
-                return
-            for item in items:
-                self._forward([item])
-            return
+            if len(requests) + len(lane_passes) == 1:
+                return [err] * len(requests), [None] * len(lane_passes)
+            results: list[list[SlotOutput] | Exception] = []
+            for request in requests:
+                results.extend(self._forward((request,), ())[0])
+            lane_outputs: list[SlotOutput | None] = []
+            for lane_pass in lane_passes:
+                lane_outputs.extend(self._forward((), (lane_pass,))[1])
+            return results, lane_outputs
+        results = []
         cursor = 0
-        for item in items:
-            count = len(item.request.slots) if item.request is not None else 1
-            item.result = outputs[cursor : cursor + count]
+        for request in requests:
+            count = len(request.slots)
+            results.append(outputs[cursor : cursor + count])
             cursor += count
+        return results, list(outputs[cursor:]) if lane_passes else []
 
 
 class _Outbox:
@@ -252,16 +248,13 @@ class _Outbox:
                 traceback.print_exc(file=sys.stderr)
 
 
-def _batch(items: list[_Item]) -> ForwardBatch:
+def _batch(requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]) -> ForwardBatch:
     batch = ForwardBatch()
-    for item in items:
-        if item.request is not None:
-            batch.add(item.request)
-        else:
-            p = item.lane_pass
-            assert p is not None
-            lease = p.lane.lease
-            batch.add_decode(
-                p.token, p.position, p.lane.pages_for(p.slot), p.slot + 1, lease.masked_pages, p.op
-            )
+    for request in requests:
+        batch.add(request)
+    for p in lane_passes:
+        lane = p.lane
+        batch.add_decode(
+            p.token, p.position, lane.pages_for(p.slot), p.slot + 1, lane.lease.masked_pages, p.op
+        )
     return batch

@@ -63,25 +63,58 @@ class _Counts:
     leases: int
 
     def __init__(self) -> None:
-        for name in _COUNTS:
-            setattr(self, name, 0)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.staged = self.hits = self.misses = self.dropped_chains = 0
+        self.wasted_passes = self.direct = self.leases = 0
+
+    def values(self) -> tuple[int, ...]:
+        """In the order of SpeculationTally's fields."""
+        return (
+            self.staged,
+            self.hits,
+            self.misses,
+            self.dropped_chains,
+            self.wasted_passes,
+            self.direct,
+            self.leases,
+        )
+
+    def add(self, values: Sequence[int]) -> None:
+        for name, value in zip(_COUNTS, values, strict=True):
+            setattr(self, name, getattr(self, name) + value)
 
     def take(self) -> SpeculationTally | None:
         """The counts so far, reset to zero; None when there are none."""
-        values = {name: getattr(self, name) for name in _COUNTS}
-        if not any(values.values()):
+        values = self.values()
+        if not any(values):
             return None
-        for name in _COUNTS:
-            setattr(self, name, 0)
-        return SpeculationTally(**values)
+        self._reset()
+        return SpeculationTally(**dict(zip(_COUNTS, values, strict=True)))
+
+
+assert _COUNTS == (
+    "staged",
+    "hits",
+    "misses",
+    "dropped_chains",
+    "wasted_passes",
+    "direct",
+    "leases",
+), "_Counts.values must follow SpeculationTally's fields"
 
 
 @define
 class Effects:
-    """What to do once the lock is released: posts to Trio first, then deliveries."""
+    """What to do once the lock is released: posts to Trio first, then deliveries. A lane
+    pass handed over stands for its `LanePassApplied` among the events and for its
+    `ForwardCompleted` among the deliveries: they are built in `run`, off the pass loop's
+    path from one pass to the next, as is the tally when `tally` is set."""
 
     events: list[tuple[str, Any]] = field(factory=list)
     deliveries: list[tuple[Deliver, Any]] = field(factory=list)
+    tally: bool = False
 
 
 class Lanes:
@@ -102,8 +135,8 @@ class Lanes:
         self._counts = _Counts()
         self._totals = _Counts()
         self.awaited: set[Lane] = set()
-        """Lanes that took part in the last pass and whose program is expected to submit the
-        next one (nothing staged for them): the pass loop waits a little for them at depth 0."""
+        """Lanes that took part in the last pass, with nothing queued or running, whose program
+        is expected to submit next: the pass loop waits a little for them before firing."""
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -123,8 +156,12 @@ class Lanes:
         self.run(effects)
 
     def statistics(self) -> SpeculationTally:
+        """Every count so far, those not yet posted to the speculator included."""
         with self.cond:
-            return SpeculationTally(**{name: getattr(self._totals, name) for name in _COUNTS})
+            both = _Counts()
+            both.add(self._totals.values())
+            both.add(self._counts.values())
+            return SpeculationTally(**dict(zip(_COUNTS, both.values(), strict=True)))
 
     # -- program threads ---------------------------------------------------------------------
 
@@ -154,7 +191,10 @@ class Lanes:
             else:
                 self._take(lane, corr, tokens[0], slots[0].op, deliver, effects)
                 taken = True
-            self._tally(effects)
+            if effects.events:
+                # Otherwise the counts wait for the next pass's posts: a hit on a running
+                # pass then costs the Trio thread nothing.
+                self._tally(effects)
         self.run(effects)
         return taken
 
@@ -222,21 +262,50 @@ class Lanes:
     ) -> Effects:
         """The pass loop ran `passes` (None outputs failed): stages what follows them and
         returns the posts and deliveries for the caller to `run`."""
-        effects = Effects()
+        effects = Effects(tally=True)
         with self.cond:
             for lane_pass, output in zip(passes, outputs, strict=True):
                 self._completed(lane_pass, output, effects)
-            self._tally(effects)
         return effects
 
     def run(self, effects: Effects) -> None:
         """Posts to Trio, then delivers to programs. Effects of one lane are run in the order
         they were made: those of the pass loop on one thread, one batch after another; a
         program's own only once it has received everything before them."""
-        if effects.events:
-            self._post(effects.events)
+        events = [
+            (to, self._applied(event) if isinstance(event, LanePass) else event)
+            for to, event in effects.events
+        ]
+        if effects.tally:
+            with self.cond:
+                tally = self._take_tally()
+            if tally is not None:
+                events.append(("speculator", tally))
+        if events:
+            self._post(events)
         for deliver, value in effects.deliveries:
+            if isinstance(value, LanePass):
+                outputs = (value.output,)
+                value = ForwardCompleted(
+                    corr=value.corr,
+                    context=value.lane.lease.context,
+                    outputs=outputs,  # type: ignore[arg-type]
+                )
             deliver(value)
+
+    @staticmethod
+    def _applied(lane_pass: LanePass) -> LanePassApplied:
+        lane = lane_pass.lane
+        return LanePassApplied(
+            lease=lane.lease.lease,
+            context=lane.lease.context,
+            corr=lane_pass.corr,
+            token=lane_pass.token,
+            position=lane_pass.position,
+            page=lane.page_of(lane_pass.slot),
+            staged=lane_pass.staged,
+            outputs=(lane_pass.output,),  # type: ignore[arg-type]
+        )
 
     # -- internals (callers hold `cond`) -----------------------------------------------------
 
@@ -310,6 +379,10 @@ class Lanes:
                 self.awaited.add(lane)
         else:
             self._stage(lane)
+            if lane.live == 0 and not lane.closed:
+                # Staged as deep as allowed and its program is behind: the next pass waits a
+                # little for it, like for a program that has just been answered.
+                self.awaited.add(lane)
         if lane.closed:
             self._maybe_release(lane, effects)
 
@@ -317,21 +390,9 @@ class Lanes:
         """Delivers a claimed pass that is done, after telling the kv actor of it."""
         lane = lane_pass.lane
         assert lane_pass.deliver is not None and lane_pass.output is not None
-        outputs = (lane_pass.output,)
         if not lane.closed:
-            applied = LanePassApplied(
-                lease=lane.lease.lease,
-                context=lane.lease.context,
-                corr=lane_pass.corr,
-                token=lane_pass.token,
-                position=lane_pass.position,
-                page=lane.page_of(lane_pass.slot),
-                staged=lane_pass.staged,
-                outputs=outputs,
-            )
-            effects.events.append((self._kv, applied))
-        reply = ForwardCompleted(corr=lane_pass.corr, context=lane.lease.context, outputs=outputs)
-        effects.deliveries.append((lane_pass.deliver, reply))
+            effects.events.append((self._kv, lane_pass))
+        effects.deliveries.append((lane_pass.deliver, lane_pass))
         if lane.pending is lane_pass:
             lane.pending = None
         lane.base_slot = lane_pass.slot + 1
@@ -405,8 +466,12 @@ class Lanes:
             effects.events.append((self._kv, released))
 
     def _tally(self, effects: Effects) -> None:
+        tally = self._take_tally()
+        if tally is not None:
+            effects.events.append(("speculator", tally))
+
+    def _take_tally(self) -> SpeculationTally | None:
         tally = self._counts.take()
         if tally is not None:
-            for name in _COUNTS:
-                setattr(self._totals, name, getattr(self._totals, name) + getattr(tally, name))
-            effects.events.append(("speculator", tally))
+            self._totals.add(attrs.astuple(tally))
+        return tally
