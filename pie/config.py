@@ -1,5 +1,5 @@
 """Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log],
-[sandbox], [server].
+[sandbox], [network], [server].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -89,6 +89,33 @@ class SandboxConfig:
     """How often the runaway-guest check runs."""
 
 
+def _policy_entries(_: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    from pie.net.policy import NetworkPolicy, PolicyError
+
+    try:
+        if attribute.name == "allow":
+            NetworkPolicy.parse(value)
+        else:
+            NetworkPolicy.parse((), value)
+    except PolicyError as exc:
+        raise ValueError(f"network.{attribute.name}: {exc}") from None
+
+
+@frozen(kw_only=True)
+class NetworkConfig:
+    """Outgoing HTTP from inferlets (the `http` interface). Nothing is reachable by default."""
+
+    allow: tuple[str, ...] = field(default=(), validator=_policy_entries)
+    """Addresses, CIDR blocks, host names and `*.domain` patterns inferlets may reach."""
+    deny: tuple[str, ...] = field(default=(), validator=_policy_entries)
+    """Addresses and blocks never connected to, even when an allowed name resolves there."""
+    timeout_seconds: float = 30.0
+    """The longest a request may take, redirects included (a request may ask for less)."""
+    max_response_mb: float = 16.0
+    max_redirects: int = field(default=5, validator=_at_least(0))
+    max_connections: int = field(default=64, validator=_at_least(1))
+
+
 @frozen(kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -119,6 +146,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     event_log: EventLogConfig = EventLogConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    network: NetworkConfig = NetworkConfig()
     server: ServerConfig = ServerConfig()
 
 

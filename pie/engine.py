@@ -13,6 +13,7 @@ from attrs import frozen
 
 from pie import __version__
 from pie.actors.bus import BusCore, BusStatistics
+from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.kv import KvCore, KvStatistics
@@ -21,11 +22,13 @@ from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
 from pie.actors.scheduler.actor import SchedulerActor
 from pie.actors.speculator import Lanes, SpeculationStatistics, SpeculatorCore
-from pie.config import EngineConfig
+from pie.config import EngineConfig, NetworkConfig
 from pie.drivers.base import Driver, DriverInfo
 from pie.drivers.loader.resolve import default_cache_dir
 from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
+from pie.net.fetch import Fetcher, Limits
+from pie.net.policy import NetworkPolicy
 from pie.sandbox import SandboxLimits, WasmRuntime
 from pie.sandbox.host import ModelView
 
@@ -37,6 +40,7 @@ class EngineStatistics:
     inference: InferenceStatistics
     speculation: SpeculationStatistics
     bus: BusStatistics
+    http: HttpStatistics
     inferlets: InferletStatistics
     mailboxes: tuple[MailboxStatistics, ...]
     logged_events: int
@@ -98,6 +102,7 @@ class Engine:
         )
         self.speculator = CoreActor(SpeculatorCore(depth), "speculator", self.router)
         self.bus = CoreActor(BusCore(), "bus", self.router)
+        self.http = HttpActor(_fetcher(config.network), self.router)
         self.programs = ProgramRegistry()
         self.wasm = WasmRuntime(
             Path(config.sandbox.cache_dir or default_cache_dir() / "components"),
@@ -141,7 +146,7 @@ class Engine:
             )
             self.log.append("engine", "engine", started)
         self.wasm.start()
-        actors = (self.inference, self.scheduler, self.kv, self.bus, self.speculator)
+        actors = (self.inference, self.scheduler, self.kv, self.bus, self.http, self.speculator)
         for actor in (*actors, self.inferlets):
             await self._nursery.start(actor.run)
 
@@ -179,6 +184,7 @@ class Engine:
             inference=self.inference.statistics(),
             speculation=self.speculator.core.statistics(),
             bus=self.bus.statistics(),
+            http=self.http.statistics(),
             inferlets=self.inferlets.statistics(),
             mailboxes=tuple(self.router.statistics()),
             logged_events=len(self.log) if self.log is not None else 0,
@@ -226,3 +232,13 @@ async def open_engine(
             await engine._drain(drain_seconds)
             engine._close()
             nursery.cancel_scope.cancel()
+
+
+def _fetcher(config: NetworkConfig) -> Fetcher:
+    limits = Limits(
+        timeout_seconds=config.timeout_seconds,
+        max_response_bytes=int(config.max_response_mb * (1 << 20)),
+        max_redirects=config.max_redirects,
+    )
+    policy = NetworkPolicy.parse(config.allow, config.deny)
+    return Fetcher(policy, limits, max_connections=config.max_connections)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pie.events import ALL_EVENTS, codec
 from pie.events import batching as batch_ev
 from pie.events import bus as bus_ev
+from pie.events import http as http_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
 from pie.events import speculation as spec_ev
@@ -88,6 +89,23 @@ REQUEST = ForwardRequest(
 
 SAMPLES = (
     LEASE,
+    http_ev.HttpFetch(
+        corr=4,
+        requester="inferlet:1",
+        method="POST",
+        url="http://127.0.0.1:8000/x?y=1",
+        headers=(("content-type", "application/json"),),
+        body=b'{"a": 1}\x00\xff',
+        timeout_seconds=2.5,
+        max_redirects=0,
+    ),
+    http_ev.HttpFetched(
+        corr=4,
+        status=200,
+        url="http://127.0.0.1:8000/x?y=1",
+        headers=(("content-length", "2"),),
+        body=b"ok",
+    ),
     spec_ev.LanePassApplied(
         lease=3,
         context=4,

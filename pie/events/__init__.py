@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from pie.events import batching, bus, forward, inferlet, kv, sampling, speculation
+from pie.events import batching, bus, forward, http, inferlet, kv, sampling, speculation
 
-EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation)
+EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation, http)
 
 
 def _event_classes() -> tuple[type, ...]:

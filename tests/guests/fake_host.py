@@ -7,6 +7,7 @@ the end-of-turn token, after anything else `a`.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
@@ -194,6 +195,21 @@ class FakeHost:
             raise Refused("no-such-handle", f"no future {handle}")
         return self.futures.pop(handle)
 
+    def fetch(self, request: Any) -> int:
+        """An echo server at every URL: the method, URL, headers and body it was sent."""
+        if "denied" in request.url:
+            raise Refused("denied", f"the network policy does not allow {request.url}")
+        echo = {
+            "method": request.method,
+            "url": request.url,
+            "headers": {h.name: h.value for h in request.headers},
+            "body": bytes(request.body).decode(),
+            "timeout-ms": getattr(request, "timeout-ms"),
+        }
+        body = json.dumps(echo).encode()
+        headers = [record(name="content-type", value="application/json")]
+        return self.future(record(status=200, url=request.url, headers=headers, body=body))
+
     def discard(self, handle: int) -> None:
         self.futures.pop(handle, None)
 
@@ -271,10 +287,11 @@ class FakeHost:
                 "child-result": h.take,
                 "terminate": lambda child: None,
             },
+            "http": {"fetch": h.fetch, "fetched": h.take},
         }
 
 
-TAGGED = {("model", "info"), ("context", "info")}
+TAGGED = {("model", "info"), ("context", "info"), ("http", "fetched")}
 """Results whose ok value is a record: wasmtime-py then wants Variant('ok'/'err', ...)."""
 
 

@@ -116,6 +116,16 @@ def test_messaging_and_runtime_calls_reach_the_host(probe: Path, tmp_path: Path)
     assert result["runtime"] == ["fake", "fake-1", "tester"]
 
 
+def test_http_requests_carry_method_headers_body_and_timeout(probe: Path, tmp_path: Path) -> None:
+    result, _, _ = run(probe, tmp_path, {"mode": "fetch"})
+    echo = result["echo"]
+    assert echo["method"] == "POST" and echo["url"] == "http://echo.test/items"
+    assert echo["headers"] == {"x-key": "k", "content-type": "application/json"}
+    assert echo["body"] == '{"n": 1}' and echo["timeout-ms"] == 2500
+    assert result["type"] == "application/json"
+    assert result["denied"] == "denied"
+
+
 def test_a_raw_forward_pass_returns_outputs_in_slot_order(probe: Path, tmp_path: Path) -> None:
     result, _, _ = run(probe, tmp_path, {"mode": "forward"})
     assert result["tokens"] == [ord("b"), ord("d")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from wasmtime.component import Linker
 
-from pie.sandbox.host import context, forward, futures, messaging, model, runtime, session
+from pie.sandbox.host import context, forward, futures, http, messaging, model, runtime, session
 from pie.sandbox.host.state import (
     Bridge,
     HostFailure,
@@ -19,7 +19,7 @@ from pie.sandbox.host.state import (
 )
 
 TYPES_INTERFACE = "pie:inferlet/types@0.1.0"
-INTERFACES = (model, context, forward, futures, session, messaging, runtime)
+INTERFACES = (model, context, forward, futures, session, messaging, runtime, http)
 
 
 def add_inferlet_api(linker: Linker) -> None:

@@ -3,7 +3,7 @@ Write `async def main(input)` in main.py and build it with `pie build`."""
 
 from __future__ import annotations
 
-from inferlet import messaging, runtime, session
+from inferlet import http, messaging, runtime, session
 from inferlet.context import Context
 from inferlet.errors import HostError
 from inferlet.forward import Forward, runs
@@ -21,6 +21,7 @@ __all__ = [
     "Probe",
     "Sampler",
     "get_model",
+    "http",
     "messaging",
     "models",
     "runs",

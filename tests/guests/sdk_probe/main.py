@@ -12,6 +12,7 @@ from inferlet import (
     Probe,
     Sampler,
     get_model,
+    http,
     messaging,
     runs,
     runtime,
@@ -115,6 +116,18 @@ async def io(input: dict[str, Any]) -> Any:
     }
 
 
+async def fetch(input: dict[str, Any]) -> Any:
+    posted = await http.post(
+        "http://echo.test/items", json={"n": 1}, headers={"x-key": "k"}, timeout=2.5
+    )
+    try:
+        await http.get("http://denied.test/")
+        denied = None
+    except HostError as err:
+        denied = err.kind
+    return {"echo": posted.json(), "type": posted.headers["content-type"], "denied": denied}
+
+
 async def raw_forward(input: dict[str, Any]) -> Any:
     model = get_model()
     ctx = Context(model)
@@ -150,6 +163,7 @@ MODES = {
     "errors": errors,
     "snapshot": snapshot,
     "io": io,
+    "fetch": fetch,
     "forward": raw_forward,
     "sleep": sleep,
     "deadlock": deadlock,

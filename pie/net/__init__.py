@@ -1,0 +1,1 @@
+"""Outgoing network access for inferlets: the policy and the HTTP client."""

@@ -1,0 +1,54 @@
+"""The `http` interface: outgoing requests, run by the http actor under the network policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wasmtime.component import LinkerInstance
+
+from pie.events import http as ev
+from pie.sandbox.host.state import HostFailure, current, host_call
+from pie.sandbox.wasm import add_host_func, record
+
+INTERFACE = "pie:inferlet/http@0.1.0"
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _get(value: Any, name: str) -> Any:
+    return getattr(value, name)
+
+
+def fetch(request: Any) -> int:
+    state = current()
+    body = bytes(request.body)
+    if len(body) > MAX_BODY_BYTES:
+        raise HostFailure("invalid", f"a request body of {len(body)} bytes is over the limit")
+    timeout_ms = _get(request, "timeout-ms")
+    max_redirects = _get(request, "max-redirects")
+    event = ev.HttpFetch(
+        corr=state.next_corr(),
+        requester=state.address,
+        method=request.method,
+        url=request.url,
+        headers=tuple((h.name, h.value) for h in request.headers),
+        body=body,
+        timeout_seconds=None if timeout_ms is None else timeout_ms / 1000,
+        max_redirects=max_redirects,
+    )
+    return state.submit("http", event, "http")
+
+
+def fetched(pending: int) -> Any:
+    response: ev.HttpFetched = current().take(pending, "http")
+    return record(
+        status=response.status,
+        url=response.url,
+        headers=[record(name=k, value=v) for k, v in response.headers],
+        body=response.body,
+    )
+
+
+def register(instance: LinkerInstance) -> None:
+    add_host_func(instance, "fetch", host_call(fetch))
+    add_host_func(instance, "fetched", host_call(fetched))
