@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 from attrs import define, field
 
+from pie.actors.speculator.counts import Counts
 from pie.actors.speculator.lane import (
     DONE,
     QUEUED,
@@ -46,63 +46,6 @@ Post = Callable[[list[tuple[str, Any]]], None]
 """Hands (destination, event) pairs to the Trio thread, in order, without waiting."""
 
 __all__ = ["DONE", "Effects", "LaneBusy", "LanePass", "Lanes"]
-
-_COUNTS = tuple(attrs.fields_dict(SpeculationTally))
-
-
-class _Counts:
-    """The tally's counters as plain attributes (this is on the per-token path)."""
-
-    __slots__ = _COUNTS
-    staged: int
-    hits: int
-    misses: int
-    dropped_chains: int
-    wasted_passes: int
-    direct: int
-    leases: int
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self.staged = self.hits = self.misses = self.dropped_chains = 0
-        self.wasted_passes = self.direct = self.leases = 0
-
-    def values(self) -> tuple[int, ...]:
-        """In the order of SpeculationTally's fields."""
-        return (
-            self.staged,
-            self.hits,
-            self.misses,
-            self.dropped_chains,
-            self.wasted_passes,
-            self.direct,
-            self.leases,
-        )
-
-    def add(self, values: Sequence[int]) -> None:
-        for name, value in zip(_COUNTS, values, strict=True):
-            setattr(self, name, getattr(self, name) + value)
-
-    def take(self) -> SpeculationTally | None:
-        """The counts so far, reset to zero; None when there are none."""
-        values = self.values()
-        if not any(values):
-            return None
-        self._reset()
-        return SpeculationTally(**dict(zip(_COUNTS, values, strict=True)))
-
-
-assert _COUNTS == (
-    "staged",
-    "hits",
-    "misses",
-    "dropped_chains",
-    "wasted_passes",
-    "direct",
-    "leases",
-), "_Counts.values must follow SpeculationTally's fields"
 
 
 @define
@@ -132,8 +75,8 @@ class Lanes:
         self._lanes: dict[int, Lane] = {}
         self._ready: collections.deque[LanePass] = collections.deque()
         self._requesters: set[str] = set()
-        self._counts = _Counts()
-        self._totals = _Counts()
+        self._counts = Counts()
+        self._totals = Counts()
         self.awaited: set[Lane] = set()
         """Lanes that took part in the last pass, with nothing queued or running, whose program
         is expected to submit next: the pass loop waits a little for them before firing."""
@@ -158,10 +101,7 @@ class Lanes:
     def statistics(self) -> SpeculationTally:
         """Every count so far, those not yet posted to the speculator included."""
         with self.cond:
-            both = _Counts()
-            both.add(self._totals.values())
-            both.add(self._counts.values())
-            return SpeculationTally(**dict(zip(_COUNTS, both.values(), strict=True)))
+            return Counts(self._totals, self._counts).tally()
 
     # -- program threads ---------------------------------------------------------------------
 
@@ -473,5 +413,5 @@ class Lanes:
     def _take_tally(self) -> SpeculationTally | None:
         tally = self._counts.take()
         if tally is not None:
-            self._totals.add(attrs.astuple(tally))
+            self._totals.add((tally,))
         return tally

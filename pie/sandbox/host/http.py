@@ -15,17 +15,13 @@ INTERFACE = "pie:inferlet/http@0.1.0"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-def _get(value: Any, name: str) -> Any:
-    return getattr(value, name)
-
-
 def fetch(request: Any) -> int:
     state = current()
     body = bytes(request.body)
     if len(body) > MAX_BODY_BYTES:
         raise HostFailure("invalid", f"a request body of {len(body)} bytes is over the limit")
-    timeout_ms = _get(request, "timeout-ms")
-    max_redirects = _get(request, "max-redirects")
+    timeout_ms = getattr(request, "timeout-ms")
+    max_redirects = getattr(request, "max-redirects")
     event = ev.HttpFetch(
         corr=state.next_corr(),
         requester=state.address,
