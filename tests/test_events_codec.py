@@ -174,6 +174,7 @@ SAMPLES = (
     inf_ev.LaunchInferlet(corr=29, requester="a", program="demo@1.0", input='{"x": 1}'),
     inf_ev.InferletLaunched(corr=29, instance="i1", queued=True),
     inf_ev.TerminateInferlet(corr=30, requester="a", instance="i1"),
+    inf_ev.DetachInferlet(corr=31, requester="a", instance="i1"),
     inf_ev.SendToInferlet(corr=31, requester="a", instance="i1", data=b"\x00\xffbytes"),
     inf_ev.SessionInput(instance="i1", text="hello"),
     inf_ev.InferletStarted(instance="i1", program="ab" * 32),

@@ -152,6 +152,26 @@ class TestSessionsAndChildren:
             ev.InferletTerminated(instance=queued, reason=f"its parent {parent} ended", seconds=0.0)
         ]
 
+    def test_a_detached_child_is_not_stopped_with_its_parent(self) -> None:
+        core, _ = core_with_program(max_concurrent=3)
+        parent = launch(core, 1)
+        kept = launch(core, 2, who=f"inferlet:{parent}")
+        dropped = launch(core, 3, who=f"inferlet:{parent}")
+        reply = core.handle(
+            ev.DetachInferlet(corr=4, requester=f"inferlet:{parent}", instance=kept)
+        )
+        assert reply == [(f"inferlet:{parent}", Done(corr=4))]
+        finish(core, parent)
+        assert [who for who, _ in core.to_kill] == [dropped]
+        assert core.instances[kept].state == "running"
+
+    def test_only_the_launcher_may_detach(self) -> None:
+        core, _ = core_with_program()
+        parent = launch(core, 1)
+        child = launch(core, 2, who=f"inferlet:{parent}")
+        out = core.handle(ev.DetachInferlet(corr=3, requester="client:9", instance=child))
+        assert out[0][1].kind == "not_owner" and not core.instances[child].detached
+
     def test_stop_all_ends_queued_and_kills_running(self) -> None:
         core, _ = core_with_program(max_concurrent=1)
         running = launch(core, 1)

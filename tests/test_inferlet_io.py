@@ -101,6 +101,43 @@ async def test_children_end_with_their_parent(
     assert stats.terminated == 1 and stats.queued == 0
 
 
+async def test_a_fan_out_of_children_returns_every_result(
+    social: bytes, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    async with engine_for(tokenizer, tmp_path) as engine:
+        program = add(engine, social)
+        with trio.fail_after(120):
+            outcome = await engine.run_inferlet(program, json.dumps({"mode": "fan-out", "n": 12}))
+        stats = engine.statistics().inferlets
+    assert outcome.ok, outcome.error
+    result = json.loads(outcome.result or "")
+    assert result["squares"] == [k * k for k in range(12)]
+    failed, terminated = result["errors"]
+    assert "failed" in failed and "no square for -1" in failed
+    assert "terminated" in terminated
+    assert (stats.returned, stats.failed, stats.terminated) == (13, 1, 1)
+    assert stats.running == 0
+
+
+async def test_a_detached_child_outlives_its_parent_and_an_attached_one_does_not(
+    social: bytes, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    async with engine_for(tokenizer, tmp_path) as engine, engine.requester("test") as requester:
+        program = add(engine, social)
+        with trio.fail_after(60):
+            outcome = await engine.run_inferlet(program, json.dumps({"mode": "detacher"}))
+            while engine.statistics().inferlets.terminated < 1:
+                await trio.sleep(0.01)
+            assert engine.statistics().inferlets.running == 1
+            await requester.push("go", "now")
+            assert await requester.pull("after") == "survived my parent"
+            while engine.statistics().inferlets.running:
+                await trio.sleep(0.01)
+        stats = engine.statistics().inferlets
+    assert outcome.ok and outcome.result == "parent done"
+    assert (stats.returned, stats.terminated) == (2, 1)
+
+
 @pytest.fixture(scope="module")
 def misbehave(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
     return built(GUESTS / "misbehave").read_bytes()

@@ -34,6 +34,15 @@ class InferletLaunched:
 
 
 @frozen(kw_only=True)
+class DetachInferlet:
+    """Let a child launched by `requester` outlive it (it is no longer stopped with it)."""
+
+    corr: int
+    requester: str
+    instance: str
+
+
+@frozen(kw_only=True)
 class TerminateInferlet:
     """Stop a running or queued instance launched by `requester` (or by its user)."""
 

@@ -286,6 +286,7 @@ class FakeHost:
                 "wait": lambda child: h.future(f"child says {child}"),
                 "child-result": h.take,
                 "terminate": lambda child: None,
+                "detach": lambda child: None,
             },
             "http": {"fetch": h.fetch, "fetched": h.take},
         }

@@ -38,6 +38,7 @@ class Instance:
     program: ProgramInfo
     input: str
     state: str = "queued"
+    detached: bool = False
     inbox: list[ev.SessionInput] = field(factory=list)
 
     @property
@@ -62,6 +63,8 @@ class InferletCore:
                 return self._launch(event)
             case ev.TerminateInferlet():
                 return self._terminate(event)
+            case ev.DetachInferlet():
+                return self._detach(event)
             case ev.SendToInferlet():
                 return self._send(event)
             case ev.SessionMessage() | ev.InferletOutput():
@@ -122,6 +125,13 @@ class InferletCore:
             self.to_kill.append((instance.id, f"terminated by {event.requester}"))
         return out
 
+    def _detach(self, event: ev.DetachInferlet) -> list[Output]:
+        instance = self._own(event.instance, event.requester)
+        if isinstance(instance, RequestFailed):
+            return [(event.requester, _with_corr(instance, event.corr))]
+        instance.detached = True
+        return [(event.requester, Done(corr=event.corr))]
+
     def _send(self, event: ev.SendToInferlet) -> list[Output]:
         instance = self._own(event.instance, event.requester)
         if isinstance(instance, RequestFailed):
@@ -161,7 +171,11 @@ class InferletCore:
         self._counts[type(end).__name__] += 1
         out: list[Output] = [(instance.launcher, end)]
         for child in list(self.instances.values()):
-            if child.launcher == instance.address and child.id in self.instances:
+            if (
+                child.launcher == instance.address
+                and child.id in self.instances
+                and not child.detached
+            ):
                 out.extend(self._stop_child(child, f"its parent {instance.id} ended"))
         return out
 

@@ -63,8 +63,17 @@ def terminate(child: int) -> None:
             raise
 
 
+def detach(child: int) -> None:
+    state = current()
+    instance = state.child_instance(child)
+    state.request(
+        "inferlets",
+        ev.DetachInferlet(corr=state.next_corr(), requester=state.address, instance=instance),
+    )
+
+
 def register(instance: LinkerInstance) -> None:
     for plain in (version, instance_id, user):
         add_host_func(instance, plain.__name__.replace("_", "-"), plain)
-    for fallible in (launch, wait, child_result, terminate):
+    for fallible in (launch, wait, child_result, terminate, detach):
         add_host_func(instance, fallible.__name__.replace("_", "-"), host_call(fallible))

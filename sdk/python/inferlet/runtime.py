@@ -27,7 +27,8 @@ def user() -> str:
 
 def launch(program: str, input: Any = "") -> Child:
     """Starts `program` (a name, name@version or content hash) as a child; `input` that is not
-    a string is sent as JSON. Children still running when this inferlet ends are stopped."""
+    a string is sent as JSON. Children still running when this inferlet ends are stopped,
+    except those it detached (`Child.detach`)."""
     text = input if isinstance(input, str) else json.dumps(input)
     return Child(call(_rt.launch, program, text), program)
 
@@ -45,6 +46,11 @@ class Child:
 
     def terminate(self) -> None:
         call(_rt.terminate, self.handle)
+
+    def detach(self) -> None:
+        """Lets the child outlive this inferlet; until this inferlet ends it can still be
+        awaited or terminated."""
+        call(_rt.detach, self.handle)
 
     def __repr__(self) -> str:
         return f"Child({self.program!r})"
