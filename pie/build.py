@@ -16,8 +16,11 @@ import pie
 SDK = Path(pie.__file__).resolve().parents[1] / "sdk"
 WIT_DIR = SDK / "wit"
 GUEST_SDK = SDK / "python"
-WORLD = "inferlet"
-ENTRY_MODULE = "inferlet._entry"
+WORLDS = {
+    "main": ("inferlet", "inferlet._entry"),
+    "handle": ("http-inferlet", "inferlet._http_entry"),
+}
+"""The function main.py defines -> the world it is built for and the module that exports it."""
 
 
 class BuildError(Exception):
@@ -25,27 +28,29 @@ class BuildError(Exception):
 
 
 def build_inferlet(folder: Path, output: Path) -> None:
-    """Builds `folder` (which holds main.py with `async def main(input)`) into `output`."""
+    """Builds `folder` (which holds main.py with `async def main(input)`, or `async def
+    handle(request)` for an HTTP-served inferlet) into `output`."""
     folder = Path(folder)
-    check_inferlet(folder)
+    entry = check_inferlet(folder)
     output = Path(output).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     # Writing next to the output and renaming keeps a failed build from leaving a partial file.
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=".pie-build-") as scratch:
         partial = Path(scratch) / output.name
-        _componentize(folder.resolve(), partial)
+        _componentize(folder.resolve(), partial, entry)
         os.replace(partial, output)
 
 
-def check_inferlet(folder: Path) -> None:
-    """The checks that need no compiler: the folder, main.py, syntax, and `async def main`."""
+def check_inferlet(folder: Path) -> str:
+    """The checks that need no compiler: the folder, main.py, syntax, and `async def main` (or
+    `async def handle`). Returns the entry function's name."""
     if not folder.is_dir():
         raise BuildError(f"{folder}: no such folder")
     main = folder / "main.py"
     if not main.is_file():
         raise BuildError(f"{folder}: no main.py (an inferlet is a folder with main.py in it)")
     trees = {path: _parse(path) for path in sorted(folder.rglob("*.py"))}
-    _check_main(main, trees[main])
+    return _check_entry(main, trees[main])
 
 
 def _parse(path: Path) -> ast.Module:
@@ -58,30 +63,38 @@ def _parse(path: Path) -> ast.Module:
         raise BuildError(f"{path}: not UTF-8 text ({err.reason})") from None
 
 
-def _check_main(path: Path, tree: ast.Module) -> None:
-    found = [
-        node
+def _check_entry(path: Path, tree: ast.Module) -> str:
+    found = {
+        node.name: node
         for node in tree.body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "main"
-    ]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in WORLDS
+    }
     if not found:
-        raise BuildError(f"{path}: no `main` function (write `async def main(input): ...`)")
-    node = found[-1]
-    if not isinstance(node, ast.AsyncFunctionDef):
         raise BuildError(
-            f"{path}:{node.lineno}: `main` must be `async def main(input)`, not a plain `def`"
+            f"{path}: no `main` function (write `async def main(input): ...`, or"
+            " `async def handle(request): ...` for an HTTP-served inferlet)"
         )
+    if len(found) > 1:
+        raise BuildError(f"{path}: define `main` or `handle`, not both")
+    name, node = found.popitem()
+    if not isinstance(node, ast.AsyncFunctionDef):
+        signature = "main(input)" if name == "main" else "handle(request)"
+        raise BuildError(
+            f"{path}:{node.lineno}: `{name}` must be `async def {signature}`, not a plain `def`"
+        )
+    return name
 
 
-def _componentize(folder: Path, output: Path) -> None:
+def _componentize(folder: Path, output: Path, entry: str) -> None:
+    world, module = WORLDS[entry]
     command = [
         *_componentize_py(),
         "-d",
         str(WIT_DIR),
         "-w",
-        WORLD,
+        world,
         "componentize",
-        ENTRY_MODULE,
+        module,
         "-p",
         str(folder),
         "-p",

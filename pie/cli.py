@@ -32,6 +32,7 @@ RUNNERS = {
     "bench serve": "pie.bench_serve:run_bench_serve",
     "bench inferlets": "pie.bench_inferlets:run_bench_inferlets",
     "bench tax": "pie.bench_tax:run_bench_tax",
+    "bench agents": "pie.bench_agents:run_bench_agents",
 }
 """Each command's function, imported only when that command runs."""
 
@@ -45,6 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8080; 0 picks a free one)")
     serve.add_argument("--auth", choices=["auto", "on", "off"], help="default: auto")
+    serve.add_argument(
+        "--http", type=int, metavar="PORT", help="also serve HTTP inferlets on PORT (0: any free)"
+    )
+    serve.add_argument(
+        "--mount",
+        action="append",
+        default=[],
+        metavar="PREFIX=PROGRAM",
+        help="serve PROGRAM (name, hash, .wasm or folder) under the HTTP path PREFIX; repeatable",
+    )
+    serve.add_argument(
+        "--openai", action="store_true", help="serve the OpenAI-compatible API at /v1 on --http"
+    )
     _engine_options(serve)
 
     gen = commands.add_parser("generate", help="complete one prompt on the configured model")
@@ -88,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-tokens", type=int, default=256)
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     _engine_options(bench)
-    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve | tax]")
+    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve | tax | agents]")
     inferlets = suites.add_parser(
         "inferlets", help="runtime overhead per token, launch latency and memory of inferlets"
     )
@@ -98,6 +112,17 @@ def _parser() -> argparse.ArgumentParser:
     inferlets.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     inferlets.add_argument("--repeats", type=int, default=3)
     inferlets.add_argument("--idle", type=int, default=16, help="idle inferlets to weigh")
+    agents = suites.add_parser(
+        "agents", help="an agent loop with tool calls: in the engine vs a client re-sending"
+    )
+    agents.add_argument("--json", action="store_true", help="print one JSON object")
+    agents.add_argument("--tasks", type=int, default=16, help="agent tasks at once")
+    agents.add_argument("--calls", type=int, default=8, help="tool calls per task")
+    agents.add_argument("--tool-ms", type=float, default=50.0, help="how long a tool call takes")
+    agents.add_argument("--tokens", type=int, default=8, help="tokens generated per step")
+    agents.add_argument(
+        "--pass-ms", type=float, help="a fixed-time forward pass instead of the configured model"
+    )
     tax = suites.add_parser(
         "tax", help="exposed runtime time per token at each speculation depth (fixed-time pass)"
     )
@@ -111,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     tax.add_argument("--slow-path", action="store_true", help="also run with the fast path off")
     tax.add_argument("--real", action="store_true", help="the configured model, not a fixed pass")
     _engine_options(tax)
+    _engine_options(agents)
     add_bench_serve_parser(suites)
     return parser
 

@@ -1,14 +1,16 @@
 """Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log],
-[sandbox], [network], [server].
+[sandbox], [network], [mcp], [server].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 import cattrs
@@ -82,7 +84,19 @@ class SandboxConfig:
     cache_dir: str = ""
     """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""
     scratch_dir: str = ""
-    """When set, each inferlet gets scratch_dir/<instance> mounted at /scratch."""
+    """When set, each inferlet gets a fresh directory under it at /scratch, removed when it ends."""
+    scratch_quota_mb: int = field(default=256, validator=_at_least(0))
+    """Bytes one /scratch may hold (0: no limit)."""
+    scratch_max_files: int = field(default=10_000, validator=_at_least(0))
+    """Files and directories one /scratch may hold (0: no limit)."""
+    persist_dir: str = ""
+    """When set, each inferlet also gets persist_dir/<its user> at /data, kept across runs."""
+    persist_quota_mb: int = field(default=64, validator=_at_least(0))
+    """Bytes one user's /data may hold (0: no limit)."""
+    persist_max_files: int = field(default=10_000, validator=_at_least(0))
+    """Files and directories one user's /data may hold (0: no limit)."""
+    files_check_ms: float = field(default=100.0, validator=_at_least(1))
+    """How often running inferlets' /scratch and /data are measured against their quotas."""
     subscription_buffer: int = field(default=1024, validator=_at_least(1))
     """Messages a topic subscription holds before it drops (and reports an overrun)."""
     epoch_ms: float = 5.0
@@ -116,6 +130,80 @@ class NetworkConfig:
     max_connections: int = field(default=64, validator=_at_least(1))
 
 
+_MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _mcp_server_name(_: object, attribute: attrs.Attribute, value: str) -> None:
+    if not _MCP_SERVER_NAME.fullmatch(value):
+        raise ValueError(
+            f"mcp server name must be letters, digits, '-', '_' and '.', got {value!r}"
+        )
+
+
+def _positive(_: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+@frozen(kw_only=True)
+class McpServerConfig:
+    """One MCP server: a command the engine starts and talks to over stdio, or a URL."""
+
+    name: str = field(validator=_mcp_server_name)
+    """What inferlets call it by."""
+    command: tuple[str, ...] = ()
+    """The program and its arguments (no shell)."""
+    env: dict[str, str] = field(factory=dict)
+    """Extra environment for `command`, which otherwise gets only HOME, LOGNAME, PATH, SHELL,
+    TERM and USER from the engine's."""
+    cwd: str = ""
+    """Where `command` runs; empty: the engine's working directory."""
+    url: str = ""
+    """A streamable-HTTP endpoint (http or https)."""
+    headers: dict[str, str] = field(factory=dict)
+    """Sent with every request to `url` (an authorization header, say)."""
+    users: tuple[str, ...] = ()
+    """The users whose inferlets may use this server; empty: every user."""
+
+    def __attrs_post_init__(self) -> None:
+        where = f"mcp server {self.name!r}"
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"{where} needs one of command and url")
+        if self.url:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{where}: url must be an http or https URL, got {self.url!r}")
+            if self.env or self.cwd:
+                raise ValueError(f"{where}: env and cwd go with command, not url")
+        elif self.headers:
+            raise ValueError(f"{where}: headers go with url, not command")
+
+
+def _unique_names(
+    _: object, attribute: attrs.Attribute, value: tuple[McpServerConfig, ...]
+) -> None:
+    names = [server.name for server in value]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"mcp.servers: the name {name!r} is used twice")
+
+
+@frozen(kw_only=True)
+class McpConfig:
+    """MCP servers whose tools inferlets may list and call (the `mcp` interface); none by
+    default. Each server is started (or connected to) on first use."""
+
+    servers: tuple[McpServerConfig, ...] = field(default=(), validator=_unique_names)
+    timeout_seconds: float = field(default=30.0, validator=_positive)
+    """The longest a listing or a call may take (a call may ask for less)."""
+    connect_seconds: float = field(default=30.0, validator=_positive)
+    """The longest a server may take to start and complete the MCP handshake."""
+    retry_seconds: float = field(default=10.0, validator=_at_least(0))
+    """After a server fails to start, requests fail `unavailable` this long before another try."""
+    max_result_mb: float = field(default=16.0, validator=_positive)
+    """The largest tool result (its content, as JSON) passed back to an inferlet."""
+
+
 @frozen(kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -139,6 +227,35 @@ class ServerConfig:
     """On SIGINT/SIGTERM, running inferlets get this long to finish before they are stopped."""
 
 
+def _mounts(_: object, attribute: attrs.Attribute, value: dict[str, str]) -> None:
+    for prefix, program in value.items():
+        if not prefix.startswith("/") or (prefix != "/" and prefix.endswith("/")):
+            raise ValueError(
+                f"http.mounts: a prefix starts with '/' and does not end with one: {prefix!r}"
+            )
+        if not program:
+            raise ValueError(f"http.mounts: no program for {prefix!r}")
+
+
+@frozen(kw_only=True)
+class HttpConfig:
+    """HTTP-served inferlets (`pie serve --http PORT`): each request to a mounted prefix runs
+    in a fresh instance of the program mounted there."""
+
+    port: int = field(default=-1, validator=_at_least(-1))
+    """-1: no HTTP port; 0 picks a free one."""
+    host: str = ""
+    """Empty: the [server] host."""
+    mounts: dict[str, str] = field(factory=dict, validator=_mounts)
+    """Path prefix -> program (a name, name@version, content hash, .wasm file or folder)."""
+    openai: bool = False
+    """Mount the bundled `openai-server` inferlet at /v1 (the OpenAI-compatible API)."""
+    max_body_mb: float = 16.0
+    """Larger request bodies are answered 413."""
+    user: str = "http"
+    """The user requests run for when the server needs no authentication."""
+
+
 @frozen(kw_only=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
@@ -147,7 +264,9 @@ class EngineConfig:
     event_log: EventLogConfig = EventLogConfig()
     sandbox: SandboxConfig = SandboxConfig()
     network: NetworkConfig = NetworkConfig()
+    mcp: McpConfig = McpConfig()
     server: ServerConfig = ServerConfig()
+    http: HttpConfig = HttpConfig()
 
 
 class ConfigError(ValueError):
@@ -155,6 +274,17 @@ class ConfigError(ValueError):
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
+_structure_mcp_server = _converter.get_structure_hook(McpServerConfig)
+
+
+def _mcp_server(data: Any, type_: Any) -> McpServerConfig:
+    # A bare string would otherwise become a tuple of its characters.
+    if isinstance(data, dict) and isinstance(data.get("command"), str):
+        raise ValueError("an mcp server's command is a list: the program, then its arguments")
+    return _structure_mcp_server(data, type_)
+
+
+_converter.register_structure_hook(McpServerConfig, _mcp_server)
 
 
 def _describe(exc: BaseException, type_: Any) -> str:

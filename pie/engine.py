@@ -16,13 +16,15 @@ from pie.actors.bus import BusCore, BusStatistics
 from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
+from pie.actors.inferlet.files import FileLayout, Quota
 from pie.actors.kv import KvCore, KvStatistics
+from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
 from pie.actors.scheduler.actor import SchedulerActor
 from pie.actors.speculator import Lanes, SpeculationStatistics, SpeculatorCore
-from pie.config import EngineConfig, NetworkConfig
+from pie.config import EngineConfig, NetworkConfig, SandboxConfig
 from pie.drivers.base import Driver, DriverInfo
 from pie.drivers.loader.resolve import default_cache_dir
 from pie.eventlog import EventLog
@@ -41,6 +43,7 @@ class EngineStatistics:
     speculation: SpeculationStatistics
     bus: BusStatistics
     http: HttpStatistics
+    mcp: McpStatistics
     inferlets: InferletStatistics
     mailboxes: tuple[MailboxStatistics, ...]
     logged_events: int
@@ -103,6 +106,7 @@ class Engine:
         self.speculator = CoreActor(SpeculatorCore(depth), "speculator", self.router)
         self.bus = CoreActor(BusCore(), "bus", self.router)
         self.http = HttpActor(_fetcher(config.network), self.router)
+        self.mcp = McpActor(config.mcp, self.router)
         self.programs = ProgramRegistry()
         self.wasm = WasmRuntime(
             Path(config.sandbox.cache_dir or default_cache_dir() / "components"),
@@ -129,7 +133,7 @@ class Engine:
             ),
             corr=self._corr,
             version=__version__,
-            scratch_root=sandbox.scratch_dir,
+            files=_file_layout(sandbox),
             subscription_buffer=sandbox.subscription_buffer,
             lanes=self.lanes if self.config.scheduler.fast_path else None,
         )
@@ -146,7 +150,15 @@ class Engine:
             )
             self.log.append("engine", "engine", started)
         self.wasm.start()
-        actors = (self.inference, self.scheduler, self.kv, self.bus, self.http, self.speculator)
+        actors = (
+            self.inference,
+            self.scheduler,
+            self.kv,
+            self.bus,
+            self.http,
+            self.mcp,
+            self.speculator,
+        )
         for actor in (*actors, self.inferlets):
             await self._nursery.start(actor.run)
 
@@ -185,6 +197,7 @@ class Engine:
             speculation=self.speculator.core.statistics(),
             bus=self.bus.statistics(),
             http=self.http.statistics(),
+            mcp=self.mcp.statistics(),
             inferlets=self.inferlets.statistics(),
             mailboxes=tuple(self.router.statistics()),
             logged_events=len(self.log) if self.log is not None else 0,
@@ -242,3 +255,17 @@ def _fetcher(config: NetworkConfig) -> Fetcher:
     )
     policy = NetworkPolicy.parse(config.allow, config.deny)
     return Fetcher(policy, limits, max_connections=config.max_connections)
+
+
+def _file_layout(config: SandboxConfig) -> FileLayout:
+    return FileLayout(
+        scratch_root=config.scratch_dir,
+        scratch_quota=Quota(
+            max_bytes=config.scratch_quota_mb * (1 << 20), max_files=config.scratch_max_files
+        ),
+        persist_root=config.persist_dir,
+        persist_quota=Quota(
+            max_bytes=config.persist_quota_mb * (1 << 20), max_files=config.persist_max_files
+        ),
+        check_seconds=config.files_check_ms / 1000,
+    )

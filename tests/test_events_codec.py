@@ -14,6 +14,7 @@ from pie.events import bus as bus_ev
 from pie.events import http as http_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
+from pie.events import mcp as mcp_ev
 from pie.events import speculation as spec_ev
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import (
@@ -106,6 +107,35 @@ SAMPLES = (
         headers=(("content-length", "2"),),
         body=b"ok",
     ),
+    mcp_ev.McpListServers(corr=5, requester="inferlet:1", user="ann"),
+    mcp_ev.McpServerList(corr=5, servers=("files", "search")),
+    mcp_ev.McpListTools(corr=6, requester="inferlet:1", user="ann", server="files"),
+    mcp_ev.McpToolList(
+        corr=6,
+        server="files",
+        tools=(
+            mcp_ev.McpTool(
+                name="read", description="Reads a file.", input_schema='{"type": "object"}'
+            ),
+        ),
+    ),
+    mcp_ev.McpTool(name="list", description="", input_schema="{}"),
+    mcp_ev.McpCallTool(
+        corr=7,
+        requester="inferlet:1",
+        user="ann",
+        server="files",
+        tool="read",
+        arguments='{"path": "a.txt"}',
+        timeout_seconds=1.5,
+    ),
+    mcp_ev.McpToolCalled(
+        corr=7,
+        content='[{"type": "text", "text": "hé"}]',
+        text="hé",
+        structured='{"result": "hé"}',
+        is_error=True,
+    ),
     spec_ev.LanePassApplied(
         lease=3,
         context=4,
@@ -175,6 +205,18 @@ SAMPLES = (
     inf_ev.InferletLaunched(corr=29, instance="i1", queued=True),
     inf_ev.TerminateInferlet(corr=30, requester="a", instance="i1"),
     inf_ev.DetachInferlet(corr=31, requester="a", instance="i1"),
+    inf_ev.LaunchInferlet(
+        corr=32,
+        requester="http",
+        program="api",
+        input="",
+        request=inf_ev.IncomingRequest(
+            method="POST", path="/x", query="a=1", headers=(("k", "v"),), body=b"\x00{}"
+        ),
+    ),
+    inf_ev.IncomingRequest(method="GET", path="/", query="", headers=(), body=b""),
+    inf_ev.ResponseStarted(instance="i1", status=200, headers=(("content-type", "text/plain"),)),
+    inf_ev.ResponseBody(instance="i1", chunk=b"data: 1\n\n"),
     inf_ev.SendToInferlet(corr=31, requester="a", instance="i1", data=b"\x00\xffbytes"),
     inf_ev.SessionInput(instance="i1", text="hello"),
     inf_ev.InferletStarted(instance="i1", program="ab" * 32),

@@ -1,7 +1,8 @@
 """The example inferlets, built with `pie build` and run by the engine on the real default model
 (SmolLM2-135M, float32): greedy text completion equals the engine's own decode, branches run
 batched, a saved prefix is reused, every sampler and probe answers, a failing guest frees its
-pages."""
+pages, and the two agents (CodeACT, function calling) act inside the inferlet and go on in the same
+context, feeding only the new tokens."""
 
 from __future__ import annotations
 
@@ -166,3 +167,115 @@ async def test_a_failing_guest_frees_its_pages_and_its_prints_reach_the_launcher
     assert output == "printed"
     assert "".join(t for s, t in printed if s == "stdout") == "to stdout\n"
     assert "".join(t for s, t in printed if s == "stderr") == "to stderr\n"
+
+
+def assert_only_new_tokens_were_fed(tokenizer: Any, result: dict[str, Any]) -> None:
+    """Each step after the first fed exactly the turn appended after the previous one (the KV of
+    everything before was reused), closed its own turn with the template's end-of-turn tokens,
+    and the context holds nothing beyond what the steps fed and generated."""
+    steps, closing = result["steps"], len(tokenizer.encode("<|im_end|>\n"))
+    for before, after in zip(steps, steps[1:], strict=False):
+        assert after["reused"] == before["context"]
+        assert after["filled"] == len(tokenizer.encode(before["appended"]))
+    assert all(step["closed"] == closing for step in steps)
+    fed = sum(step["filled"] + step["generated"] + step["closed"] for step in steps)
+    assert result["context_tokens"] == steps[-1]["context"] == fed
+
+
+async def test_codeact_runs_the_code_and_goes_on_in_the_same_context(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    request = {
+        "task": "What is the sum of the numbers from 0 to 9?",
+        "prefill": "```python\nprint(sum(range(10)))\n```\n",
+        "max_steps": 2,
+        "max_tokens": 24,
+        "check_fresh": True,
+    }
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        result = json.loads(await run(engine, example("codeact"), request))
+    first, second = result["steps"]
+    assert (first["stop_reason"], first["generated"]) == ("prefill", 0)
+    assert first["code"] == "print(sum(range(10)))\n"
+    assert (first["output"], first["failed"]) == ("45\n", False)
+    assert first["appended"].startswith("<|im_start|>user\nOutput:\n45<|im_end|>")
+    assert second["generated"] > 0
+    assert_only_new_tokens_were_fed(tokenizer, result)
+    # Greedy decoding on the reused cache gives, token for token, what a fresh prefill gives.
+    assert second["fresh_match"] is True
+
+
+async def test_codeact_feeds_an_exception_back_as_its_traceback(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    request = {
+        "task": "Divide ten by zero.",
+        "prefill": "```python\nten = 10\nprint(ten / 0)\n```\n",
+        "max_steps": 2,
+        "max_tokens": 8,
+    }
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        result = json.loads(await run(engine, example("codeact"), request))
+    first = result["steps"][0]
+    assert first["failed"] is True
+    assert first["output"].startswith("Traceback (most recent call last):\n")
+    assert 'File "<step 1>", line 2' in first["output"]
+    assert first["output"].endswith("ZeroDivisionError: division by zero\n")
+    assert "The code failed:\nTraceback" in first["appended"]
+    assert "ZeroDivisionError: division by zero<|im_end|>" in first["appended"]
+    assert_only_new_tokens_were_fed(tokenizer, result)
+
+
+ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
+
+
+async def test_function_calling_runs_the_tool_and_goes_on_without_prefilling_again(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    request = {
+        "task": "What is 2 plus 40?",
+        "prefill": ADD_CALL,
+        "max_steps": 2,
+        "max_tokens": 16,
+        "check_fresh": True,
+    }
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        result = json.loads(await run(engine, example("function-calling"), request))
+    first, second = result["steps"]
+    assert first["call"] == {"name": "add", "arguments": {"a": 2, "b": 40}}
+    assert (first["result"], first["error"]) == (42, None)
+    response = '<tool_response>\n{"name": "add", "content": 42}\n</tool_response>'
+    assert first["appended"] == f"<|im_start|>tool\n{response}<|im_end|>\n<|im_start|>assistant\n"
+    assert second["generated"] > 0
+    assert_only_new_tokens_were_fed(tokenizer, result)
+    assert second["fresh_match"] is True
+
+
+async def test_a_malformed_or_unknown_tool_call_is_fed_back_as_an_error(
+    real: Real, example: Callable[[str], bytes]
+) -> None:
+    config, driver, tokenizer = real
+    calls = {
+        "malformed": '<tool_call>{"name": "add", "arguments": {"a": 2,}}</tool_call>',
+        "unknown": '<tool_call>{"name": "weather", "arguments": {}}</tool_call>',
+    }
+    ask = {"task": "What is 2 plus 40?", "max_steps": 2, "max_tokens": 4}
+    results = {}
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        for kind, call in calls.items():
+            request = {**ask, "prefill": call}
+            results[kind] = json.loads(await run(engine, example("function-calling"), request))
+    expected = {
+        "malformed": "the tool call is not valid JSON",
+        "unknown": "unknown tool 'weather'; the tools are add, clock, lookup",
+    }
+    for kind, result in results.items():
+        first = result["steps"][0]
+        assert (first["call"], first["result"]) == (None, None)
+        assert first["error"].startswith(expected[kind])
+        assert '<tool_response>\n{"error": "' + expected[kind] in first["appended"]
+        assert len(result["steps"]) == 2
+        assert_only_new_tokens_were_fed(tokenizer, result)

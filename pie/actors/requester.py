@@ -216,10 +216,22 @@ class Requester:
 
     # -- inferlets ----------------------------------------------------------------------------
 
-    async def launch(self, program: str, input: str, user: str = "local") -> InferletRun:
-        """Starts an inferlet; its events and outcome come through the returned run."""
+    async def launch(
+        self,
+        program: str,
+        input: str,
+        user: str = "local",
+        request: inf_ev.IncomingRequest | None = None,
+    ) -> InferletRun:
+        """Starts an inferlet (its `handle` export when `request` is given); its events and
+        outcome come through the returned run."""
         launched: inf_ev.InferletLaunched = await self.call(
-            "inferlets", inf_ev.LaunchInferlet, program=program, input=input, user=user
+            "inferlets",
+            inf_ev.LaunchInferlet,
+            program=program,
+            input=input,
+            user=user,
+            request=request,
         )
         return InferletRun(self, launched.instance, launched.queued)
 
@@ -241,6 +253,8 @@ _LIFECYCLE = (
     inf_ev.InferletStarted,
     inf_ev.InferletOutput,
     inf_ev.SessionMessage,
+    inf_ev.ResponseStarted,
+    inf_ev.ResponseBody,
     inf_ev.InferletReturned,
     inf_ev.InferletFailed,
     inf_ev.InferletTerminated,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from pie.events import batching, bus, forward, http, inferlet, kv, sampling, speculation
+from pie.events import batching, bus, forward, http, inferlet, kv, mcp, sampling, speculation
 
-EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation, http)
+EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation, http, mcp)
 
 
 def _event_classes() -> tuple[type, ...]:

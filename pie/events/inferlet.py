@@ -1,7 +1,8 @@
 """Commands to the inferlet actor and the lifecycle of an inferlet instance.
 
 Lifecycle events go to the address that launched the instance: `InferletStarted`, then any
-number of `InferletOutput` / `SessionMessage`, then exactly one of `InferletReturned`,
+number of `InferletOutput` / `SessionMessage` (and, for an HTTP-served instance, one
+`ResponseStarted` and its `ResponseBody` pieces), then exactly one of `InferletReturned`,
 `InferletFailed` or `InferletTerminated`.
 """
 
@@ -11,8 +12,20 @@ from attrs import frozen
 
 
 @frozen(kw_only=True)
+class IncomingRequest:
+    """An HTTP request for an HTTP-served inferlet; `path` is below its mount prefix."""
+
+    method: str
+    path: str
+    query: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@frozen(kw_only=True)
 class LaunchInferlet:
-    """Run `program` (a name, name@version or content hash) with `input`.
+    """Run `program` (a name, name@version or content hash) with `input`, or, given `request`,
+    call its `handle` export with that request.
 
     Replied to with `InferletLaunched` at once; the instance waits in the admission queue
     while `max_concurrent` instances run.
@@ -23,6 +36,7 @@ class LaunchInferlet:
     program: str
     input: str
     user: str = "local"
+    request: IncomingRequest | None = None
 
 
 @frozen(kw_only=True)
@@ -105,6 +119,23 @@ class SessionMessage:
 
 
 @frozen(kw_only=True)
+class ResponseStarted:
+    """An HTTP-served instance's status and headers."""
+
+    instance: str
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+
+@frozen(kw_only=True)
+class ResponseBody:
+    """The next piece of an HTTP-served instance's response body."""
+
+    instance: str
+    chunk: bytes
+
+
+@frozen(kw_only=True)
 class InferletReturned:
     instance: str
     result: str
@@ -113,9 +144,10 @@ class InferletReturned:
 
 @frozen(kw_only=True)
 class InferletFailed:
-    """The guest returned an error, trapped, ran out of its budget or its memory cap.
+    """The guest returned an error, trapped, ran out of its budget or its memory cap, or took a
+    directory over its quota.
 
-    `status` is one of failed, trapped, timeout, memory.
+    `status` is one of failed, trapped, timeout, memory, quota.
     """
 
     instance: str
@@ -149,7 +181,7 @@ InferletEnd = InferletReturned | InferletFailed | InferletTerminated
 
 @frozen(kw_only=True)
 class InferletOutcome:
-    """How an inferlet ended: `status` is returned, failed, trapped, timeout, memory or
+    """How an inferlet ended: `status` is returned, failed, trapped, timeout, memory, quota or
     terminated; `result` is set when it returned, `error` otherwise."""
 
     instance: str

@@ -10,12 +10,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from attrs import field, frozen, validators
 from wasmtime import Config, Engine, Store, WasiConfig, WasmtimeError, _bindings
 from wasmtime import _ffi as ffi
-from wasmtime.component import Component, Linker, ResultType, String, Variant
+from wasmtime.component import Component, Linker, RecordType, ResultType, String, Variant
 from wasmtime.component import Func as ComponentFunc
 
 from pie.sandbox.cache import ComponentCache
@@ -29,8 +29,8 @@ from pie.sandbox.wasm import (
 
 log = logging.getLogger(__name__)
 
-RunStatus = Literal["returned", "failed", "trapped", "killed", "timeout", "memory"]
-StopStatus = Literal["killed", "timeout", "memory"]
+RunStatus = Literal["returned", "failed", "trapped", "killed", "timeout", "memory", "quota"]
+StopStatus = Literal["killed", "failed", "timeout", "memory", "quota"]
 MIB = 1 << 20
 _OOM_MARKERS = ("memory allocation of", "memoryerror", "out of memory", "exceeds memory limits")
 
@@ -40,14 +40,17 @@ class SandboxLimits:
     budget_seconds: float = field(default=300.0, validator=validators.gt(0))
     memory_bytes: int = field(default=256 * MIB, validator=validators.gt(0))
     scratch_dir: str | None = None
-    """Preopened read-write as /scratch; without it the guest sees no filesystem."""
+    """Preopened read-write as /scratch; without it or `data_dir` the guest sees no filesystem."""
+    data_dir: str | None = None
+    """Preopened read-write as /data."""
 
 
 @frozen(kw_only=True)
 class RunOutcome:
     status: RunStatus
-    value: str | None = None
-    """What `run` returned, when it returned ok."""
+    value: Any = None
+    """What `run` (a string) or `handle` (an outgoing-response record) returned, when it
+    returned ok."""
     error: str | None = None
     """For people, in one paragraph: the program's own error when it returned err, else what
     stopped it."""
@@ -252,9 +255,11 @@ class WasmRuntime:
         limits: SandboxLimits,
         kill: KillSwitch,
         on_output: Callable[[str, bytes], None],
+        request: Any = None,
     ) -> RunOutcome:
-        """Instantiates `component` in a fresh store and calls its `run(input)` export, on
-        this thread. Many threads may share one linker: instantiating only reads it."""
+        """Instantiates `component` in a fresh store and calls its `run(input)` export, or its
+        `handle(request)` export when `request` (an incoming-request record) is given, on this
+        thread. Many threads may share one linker: instantiating only reads it."""
         if self._ticker is None:
             raise RuntimeError("WasmRuntime.run needs start() first: nothing would stop a guest")
         if linker.locked:
@@ -268,8 +273,9 @@ class WasmRuntime:
         store = Store(self.engine)
         try:
             with self._watching(store, watch):
+                entry = _Entry("run", input) if request is None else _Entry("handle", request)
                 status, value, error = _call(
-                    store, component, linker, input, limits, kill, _Output(on_output, stderr)
+                    store, component, linker, entry, limits, kill, _Output(on_output, stderr)
                 )
         finally:
             store.close()
@@ -314,37 +320,49 @@ def _prepare(store: Store, limits: SandboxLimits, output: _Output) -> None:
     wasi.stderr_custom = output.writer("stderr")
     if limits.scratch_dir is not None:
         wasi.preopen_dir(limits.scratch_dir, "/scratch")
+    if limits.data_dir is not None:
+        wasi.preopen_dir(limits.data_dir, "/data")
     store.set_wasi(wasi)
 
 
-Ended = tuple[RunStatus, str | None, str | None]
+Ended = tuple[RunStatus, Any, str | None]
+
+
+@frozen
+class _Entry:
+    """The export to call and its one argument."""
+
+    name: Literal["run", "handle"]
+    argument: Any
 
 
 def _call(
     store: Store,
     component: Component,
     linker: Linker,
-    input: str,
+    entry: _Entry,
     limits: SandboxLimits,
     kill: KillSwitch,
     output: _Output,
 ) -> Ended:
     try:
         _prepare(store, limits, output)
-        run = _start(store, component, linker)
+        export = _start(store, component, linker, entry.name)
     except Exception as exc:
         return _stopped(exc, kill, output.stderr, limits, starting=True)
     try:
-        result = run(store, input)
+        result = export(store, entry.argument)
     except Exception as exc:
         return _stopped(exc, kill, output.stderr, limits, starting=False)
-    assert isinstance(result, Variant), result
+    if not isinstance(result, Variant):
+        # Only an ambiguous result<T, E> comes back as a Variant; `handle`'s ok is a record.
+        return ("failed", None, result) if isinstance(result, str) else ("returned", result, None)
     if result.tag == "ok":
         return "returned", result.payload, None
     return "failed", None, result.payload
 
 
-def _start(store: Store, component: Component, linker: Linker) -> ComponentFunc:
+def _start(store: Store, component: Component, linker: Linker, name: str) -> ComponentFunc:
     try:
         instance = linker.instantiate(store, component)
     except WasmtimeError:
@@ -352,20 +370,30 @@ def _start(store: Store, component: Component, linker: Linker) -> ComponentFunc:
         # raised while a start function ran must still say why.
         raise_pending()
         raise
-    run = instance.get_func(store, "run")
-    if run is None:
-        raise ValueError("the program exports no `run` function")
-    ty = run.type(store)
+    export = instance.get_func(store, name)
+    if export is None:
+        served = " (it is not an HTTP-served inferlet)" if name == "handle" else ""
+        raise ValueError(f"the program exports no `{name}` function{served}")
+    ty = export.type(store)
     params, result = ty.params, ty.result
+    takes = String if name == "run" else RecordType
+    gives = String if name == "run" else RecordType
     if not (
         len(params) == 1
-        and isinstance(params[0][1], String)
+        and isinstance(params[0][1], takes)
         and isinstance(result, ResultType)
-        and isinstance(result.ok, String)
+        and isinstance(result.ok, gives)
         and isinstance(result.err, String)
     ):
-        raise ValueError("`run` must be func(input: string) -> result<string, string>")
-    return run
+        expected = _SIGNATURES[name]
+        raise ValueError(f"`{name}` must be {expected}")
+    return export
+
+
+_SIGNATURES = {
+    "run": "func(input: string) -> result<string, string>",
+    "handle": "func(request: incoming-request) -> result<outgoing-response, string>",
+}
 
 
 def _amount(size: int) -> str:

@@ -11,25 +11,58 @@ from collections.abc import AsyncIterator, Callable
 import trio
 
 from pie.config import EngineConfig
-from pie.engine import open_engine
+from pie.engine import Engine, open_engine
 from pie.server.app import Server
+from pie.server.http import HttpFront
+from pie.server.mounts import prepare_mounts
 
 
-async def serve(config: EngineConfig, announce: Callable[[Server], None] | None = None) -> None:
+async def serve(
+    config: EngineConfig,
+    announce: Callable[[Server], None] | None = None,
+    announce_http: Callable[[HttpFront], None] | None = None,
+) -> None:
     async with open_engine(config) as engine:
         server = Server(engine, config.server)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
+                front = None
+                if config.http.port >= 0:
+                    front = await _start_http(engine, config, server, nursery)
+                    if announce_http is not None:
+                        announce_http(front)
                 if announce is not None:
                     announce(server)
-                nursery.start_soon(_on_signals, signals, server, nursery)
+                nursery.start_soon(_on_signals, signals, server, front, nursery)
                 await server.wait_stopped()
+                if front is not None:
+                    with trio.move_on_after(server.config.shutdown_seconds):
+                        await front.wait_idle()
                 nursery.cancel_scope.cancel()
 
 
-async def _on_signals(signals: AsyncIterator[int], server: Server, nursery: trio.Nursery) -> None:
+async def _start_http(
+    engine: Engine, config: EngineConfig, server: Server, nursery: trio.Nursery
+) -> HttpFront:
+    mounts = await trio.to_thread.run_sync(prepare_mounts, engine, config.http)
+    front = HttpFront(
+        engine,
+        config.http,
+        mounts,
+        host=config.http.host or config.server.host,
+        users=server.users if server.auth_required else None,
+    )
+    await nursery.start(front.run)
+    return front
+
+
+async def _on_signals(
+    signals: AsyncIterator[int], server: Server, front: HttpFront | None, nursery: trio.Nursery
+) -> None:
     async for number in signals:
+        if front is not None:
+            front.stop()
         if server.stopping:
             print("pie: stopping now", file=sys.stderr)
             nursery.cancel_scope.cancel()
@@ -47,9 +80,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from pie.cli import engine_config
     from pie.config import with_overrides
 
+    config = engine_config(args)
+    mounts = dict(config.http.mounts)
+    for mount in args.mount:
+        prefix, sep, program = mount.partition("=")
+        if not sep:
+            raise ValueError(f"--mount wants PREFIX=PROGRAM, got {mount!r}")
+        mounts[prefix] = program
     config = with_overrides(
-        engine_config(args), server={"host": args.host, "port": args.port, "auth": args.auth}
+        config,
+        server={"host": args.host, "port": args.port, "auth": args.auth},
+        http={"port": args.http, "mounts": mounts, "openai": args.openai or None},
     )
+    if config.http.port < 0 and (config.http.mounts or config.http.openai):
+        raise ValueError("--mount and --openai serve over HTTP: give --http PORT too")
 
     def announce(server: Server) -> None:
         auth = "on" if server.auth_required else "off"
@@ -59,6 +103,10 @@ def run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    trio.run(serve, config, announce)
+    def announce_http(front: HttpFront) -> None:
+        for prefix, program in sorted(front.mounts.programs.items()):
+            print(f"pie: {front.url}{prefix} serves {program[:16]}", file=sys.stderr)
+
+    trio.run(serve, config, announce, announce_http)
     print("pie: stopped", file=sys.stderr)
     return 0

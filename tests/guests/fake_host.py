@@ -210,6 +210,21 @@ class FakeHost:
         headers = [record(name="content-type", value="application/json")]
         return self.future(record(status=200, url=request.url, headers=headers, body=body))
 
+    def list_tools(self, server: str) -> int:
+        """Server `toys` has one tool, `echo`, that returns its arguments."""
+        if server != "toys":
+            raise Refused("no-such-server", f"no mcp server {server!r}")
+        schema = json.dumps({"type": "object"})
+        return self.future([record(name="echo", description="Echoes.", input_schema=schema)])
+
+    def call_tool(self, server: str, name: str, arguments: str, timeout_ms: int | None) -> int:
+        if server != "toys":
+            raise Refused("no-such-server", f"no mcp server {server!r}")
+        content = json.dumps([{"type": "text", "text": arguments}])
+        return self.future(
+            record(content=content, text=arguments, structured=None, is_error=name != "echo")
+        )
+
     def discard(self, handle: int) -> None:
         self.futures.pop(handle, None)
 
@@ -289,10 +304,17 @@ class FakeHost:
                 "detach": lambda child: None,
             },
             "http": {"fetch": h.fetch, "fetched": h.take},
+            "mcp": {
+                "servers": lambda: ["toys"],
+                "list-tools": h.list_tools,
+                "tools": h.take,
+                "call-tool": h.call_tool,
+                "called": h.take,
+            },
         }
 
 
-TAGGED = {("model", "info"), ("context", "info"), ("http", "fetched")}
+TAGGED = {("model", "info"), ("context", "info"), ("http", "fetched"), ("mcp", "called")}
 """Results whose ok value is a record: wasmtime-py then wants Variant('ok'/'err', ...)."""
 
 

@@ -8,12 +8,12 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
+from pie.actors.inferlet.files import FileLayout, InstanceFiles
 from pie.actors.inferlet.programs import Program
 from pie.actors.runtime import Actor, MailboxOverrun, Router
 from pie.actors.speculator.lanes import Lanes
@@ -28,7 +28,8 @@ from pie.sandbox import (
     SandboxLimits,
     WasmRuntime,
 )
-from pie.sandbox.host import InstanceState, ModelView, add_inferlet_api, bind
+from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
+from pie.sandbox.wasm import record
 
 GUEST_NICENESS = 10
 """Guest threads run at a lower priority, so a busy guest never delays the driver thread."""
@@ -71,7 +72,7 @@ class InferletActor(Actor):
         limits: SandboxLimits,
         corr: Iterator[int],
         version: str,
-        scratch_root: str = "",
+        files: FileLayout | None = None,
         subscription_buffer: int = 1024,
         lanes: Lanes | None = None,
     ) -> None:
@@ -83,7 +84,7 @@ class InferletActor(Actor):
         self.limits = limits
         self.version = version
         self._corr = corr
-        self._scratch_root = scratch_root
+        self.files = InstanceFiles(files or FileLayout())
         self._subscription_buffer = subscription_buffer
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
@@ -94,6 +95,7 @@ class InferletActor(Actor):
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(super().run)
+            nursery.start_soon(self.files.watch)
             task_status.started()
 
     async def handle(self, event: Any) -> None:
@@ -134,6 +136,8 @@ class InferletActor(Actor):
             lanes=self.lanes,
         )
         bridge.state = state
+        if instance.request is not None:
+            state.response = serving.Response()
         if self.lanes is not None:
             self.lanes.open_requester(instance.address)
         self.router.register_handler(instance.address, state.deliver)
@@ -146,10 +150,10 @@ class InferletActor(Actor):
 
         token = trio.lowlevel.current_trio_token()
         program = self.core.programs.resolve(instance.program.hash)
-        limits = self._limits_for(instance)
+        limits = await self._limits_for(instance, kill)
         thread = threading.Thread(
             target=self._thread_main,
-            args=(state, program, instance.input, limits, lambda r: token.run_sync_soon(done, r)),
+            args=(state, program, instance, limits, lambda r: token.run_sync_soon(done, r)),
             name=f"inferlet-{instance.id}",
             daemon=True,
         )
@@ -162,28 +166,42 @@ class InferletActor(Actor):
                     kill.kill("the engine is stopping")
                     with trio.move_on_after(5):
                         await finished.wait()
-                self._clean_up(instance, outcome[0] if outcome else None)
+                ended = await self._settle_files(instance, outcome[0] if outcome else None)
+                self._clean_up(instance, ended)
 
-    def _limits_for(self, instance: Instance) -> SandboxLimits:
-        if not self._scratch_root:
+    async def _limits_for(self, instance: Instance, kill: KillSwitch) -> SandboxLimits:
+        if not self.files.layout.enabled:
             return self.limits
-        scratch = Path(self._scratch_root) / instance.id
-        scratch.mkdir(parents=True, exist_ok=True)
-        return SandboxLimits(
-            budget_seconds=self.limits.budget_seconds,
-            memory_bytes=self.limits.memory_bytes,
-            scratch_dir=str(scratch),
-        )
+        try:
+            with trio.CancelScope(shield=True):
+                return await trio.to_thread.run_sync(
+                    self.files.prepare, instance.id, instance.user, kill, self.limits
+                )
+        except (OSError, ValueError) as exc:
+            kill.kill(f"the engine could not make the program's directories: {exc}", "failed")
+        return self.limits
+
+    async def _settle_files(
+        self, instance: Instance, outcome: RunOutcome | None
+    ) -> RunOutcome | None:
+        if not self.files.layout.enabled:
+            return outcome
+        return await trio.to_thread.run_sync(self.files.finish, instance.id, outcome)
 
     def _thread_main(
-        self, state: InstanceState, program: Program, input: str, limits: SandboxLimits, done: Any
+        self,
+        state: InstanceState,
+        program: Program,
+        instance: Instance,
+        limits: SandboxLimits,
+        done: Any,
     ) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GUEST_NICENESS)
         bind(state)
         started = time.monotonic()
         try:
-            outcome = self._execute(state, program, input, limits)
+            outcome = self._execute(state, program, instance, limits)
         except BaseException as exc:  # the host must learn of every end, whatever happened
             outcome = RunOutcome(
                 status="trapped",
@@ -199,7 +217,7 @@ class InferletActor(Actor):
             pass
 
     def _execute(
-        self, state: InstanceState, program: Program, input: str, limits: SandboxLimits
+        self, state: InstanceState, program: Program, instance: Instance, limits: SandboxLimits
     ) -> RunOutcome:
         try:
             _, component = self.wasm.cache.load(program.wasm, program.info.hash)
@@ -214,9 +232,23 @@ class InferletActor(Actor):
                     ev.InferletOutput(instance=state.instance, stream=stream, text=text),
                 )
 
-        return self.wasm.run(
-            component, self._linker, input, limits=limits, kill=state.kill, on_output=on_output
+        request = instance.request
+        outcome = self.wasm.run(
+            component,
+            self._linker,
+            instance.input,
+            limits=limits,
+            kill=state.kill,
+            on_output=on_output,
+            request=None if request is None else _request_record(request),
         )
+        if request is None or not outcome.returned:
+            return outcome
+        try:
+            serving.finish(state, outcome.value)
+        except HostFailure as failure:
+            return RunOutcome(status="failed", error=failure.message, seconds=outcome.seconds)
+        return RunOutcome(status="returned", value="", seconds=outcome.seconds)
 
     def _clean_up(self, instance: Instance, outcome: RunOutcome | None) -> None:
         self._kills.pop(instance.id, None)
@@ -243,3 +275,13 @@ class InferletActor(Actor):
 
     def statistics(self) -> InferletStatistics:
         return self.core.statistics()
+
+
+def _request_record(request: ev.IncomingRequest) -> Any:
+    return record(
+        method=request.method,
+        path=request.path,
+        query=request.query,
+        headers=[record(name=k, value=v) for k, v in request.headers],
+        body=request.body,
+    )

@@ -37,6 +37,7 @@ class Instance:
     user: str
     program: ProgramInfo
     input: str
+    request: ev.IncomingRequest | None = None
     state: str = "queued"
     detached: bool = False
     inbox: list[ev.SessionInput] = field(factory=list)
@@ -67,7 +68,9 @@ class InferletCore:
                 return self._detach(event)
             case ev.SendToInferlet():
                 return self._send(event)
-            case ev.SessionMessage() | ev.InferletOutput():
+            case (
+                ev.SessionMessage() | ev.InferletOutput() | ev.ResponseStarted() | ev.ResponseBody()
+            ):
                 instance = self.instances.get(event.instance)
                 return [(instance.launcher, event)] if instance else []
             case ev.InferletFinished():
@@ -85,6 +88,7 @@ class InferletCore:
             user=event.user,
             program=program.info,
             input=event.input,
+            request=event.request,
         )
         self.instances[instance.id] = instance
         self.queue.append(instance.id)

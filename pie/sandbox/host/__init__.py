@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from wasmtime.component import Linker
 
-from pie.sandbox.host import context, forward, futures, http, messaging, model, runtime, session
+from pie.sandbox.host import (
+    context,
+    forward,
+    futures,
+    http,
+    mcp,
+    messaging,
+    model,
+    runtime,
+    serving,
+    session,
+)
 from pie.sandbox.host.state import (
     Bridge,
     HostFailure,
@@ -19,7 +30,7 @@ from pie.sandbox.host.state import (
 )
 
 TYPES_INTERFACE = "pie:inferlet/types@0.1.0"
-INTERFACES = (model, context, forward, futures, session, messaging, runtime, http)
+INTERFACES = (model, context, forward, futures, session, messaging, runtime, http, mcp, serving)
 
 
 def add_inferlet_api(linker: Linker) -> None:

@@ -100,6 +100,8 @@ class InstanceState:
         self.version = version
         self.deadline = time.monotonic() + budget_seconds
         self.subscription_buffer = subscription_buffer
+        self.response: Any = None
+        """An HTTP-served instance's response (host.serving.Response); None otherwise."""
         self._corr = corr
         self._cond = threading.Condition()
         self._next_handle = 1

@@ -3,7 +3,7 @@ Write `async def main(input)` in main.py and build it with `pie build`."""
 
 from __future__ import annotations
 
-from inferlet import http, messaging, runtime, session
+from inferlet import http, mcp, messaging, runtime, session
 from inferlet.context import Context
 from inferlet.errors import HostError
 from inferlet.forward import Forward, runs
@@ -22,6 +22,7 @@ __all__ = [
     "Sampler",
     "get_model",
     "http",
+    "mcp",
     "messaging",
     "models",
     "runs",

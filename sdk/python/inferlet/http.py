@@ -23,17 +23,23 @@ from inferlet.errors import HostError, call
 Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 
 
+def header_map(pairs: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """Lower-case names; a repeated header's values joined with ", "."""
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        key = name.lower()
+        out[key] = f"{out[key]}, {value}" if key in out else value
+    return out
+
+
 class Response:
     def __init__(self, raw: Any) -> None:
         self.status: int = raw.status
         self.url: str = raw.url
         """Where the response came from, after redirects."""
         self.header_list: list[tuple[str, str]] = [(h.name, h.value) for h in raw.headers]
-        self.headers: dict[str, str] = {}
+        self.headers = header_map(self.header_list)
         """Lower-case names; a repeated header's values joined with ", "."""
-        for name, value in self.header_list:
-            key = name.lower()
-            self.headers[key] = f"{self.headers[key]}, {value}" if key in self.headers else value
         self.body: bytes = bytes(raw.body)
 
     @property

@@ -1,0 +1,247 @@
+"""HTTP-served inferlets: an ASGI app on hypercorn's Trio worker. Each request to a mounted path
+prefix runs in a fresh instance of the program mounted there (its `handle` export), batched with
+everything else the engine runs; the response streams back as the instance writes it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+from attrs import frozen
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from pie.actors.requester import InferletRun, Requester, RequestRefused
+from pie.config import HttpConfig
+from pie.events import inferlet as ev
+from pie.server.mounts import Mounts
+
+if TYPE_CHECKING:
+    from pie.engine import Engine
+    from pie.server.auth import UserStore
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+END_STATUS = {"timeout": 504, "terminated": 503}
+"""How an instance that ended before it responded is answered (anything else: 500)."""
+
+
+@frozen(kw_only=True)
+class HttpStatistics:
+    requests: int
+    in_flight: int
+    failed: int
+
+
+class HttpFront:
+    """Start with `await nursery.start(front.run)` (it reports itself once bound, with `port`
+    set); `stop()` stops accepting and lets requests in flight finish."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: HttpConfig,
+        mounts: Mounts,
+        *,
+        host: str,
+        users: UserStore | None = None,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.mounts = mounts
+        self.host = host
+        self.users = users
+        self.port = 0
+        self._stopping = trio.Event()
+        self._requester: Requester | None = None
+        self._requests = 0
+        self._in_flight = 0
+        self._failed = 0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def run(self, *, task_status: trio.TaskStatus[HttpFront] = trio.TASK_STATUS_IGNORED):
+        settings = HypercornConfig()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        settings.bind = [f"{host}:{self.config.port}"]
+        settings.accesslog = None
+        settings.graceful_timeout = 5.0
+        async with self.engine.requester("http-front") as requester, trio.open_nursery() as nursery:
+            self._requester = requester
+            binds = await nursery.start(self._serve, settings)
+            self.port = int(binds[0].rsplit(":", 1)[1])
+            task_status.started(self)
+
+    async def _serve(self, settings: HypercornConfig, *, task_status: Any) -> None:
+        await serve(
+            self._app,  # type: ignore[arg-type]
+            settings,
+            shutdown_trigger=self._stopping.wait,
+            task_status=task_status,
+            mode="asgi",
+        )
+
+    def stop(self) -> None:
+        """Stops accepting connections; requests in flight go on."""
+        self._stopping.set()
+
+    async def wait_idle(self) -> None:
+        while self._in_flight:
+            await trio.sleep(0.02)
+
+    def statistics(self) -> HttpStatistics:
+        return HttpStatistics(
+            requests=self._requests, in_flight=self._in_flight, failed=self._failed
+        )
+
+    # -- the ASGI app ----------------------------------------------------------------------------
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif scope["type"] == "http":
+            self._requests += 1
+            self._in_flight += 1
+            try:
+                await self._request(scope, receive, send)
+            finally:
+                self._in_flight -= 1
+
+    async def _request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = self.mounts.find(scope["path"])
+        if found is None:
+            await _error(send, 404, f"nothing is mounted at {scope['path']}", "not_found")
+            return
+        program, path = found
+        user = self._user(scope)
+        if user is None:
+            await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "unauthenticated")
+            return
+        try:
+            body = await _read_body(receive, int(self.config.max_body_mb * (1 << 20)))
+        except _ClientGone:
+            return
+        if body is None:
+            limit = f"{self.config.max_body_mb:g} MiB"
+            await _error(send, 413, f"the request body is over {limit}", "too_large")
+            return
+        request = ev.IncomingRequest(
+            method=scope["method"],
+            path=path,
+            query=scope.get("query_string", b"").decode("latin-1"),
+            headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+            body=body,
+        )
+        assert self._requester is not None
+        try:
+            run = await self._requester.launch(program, "", user=user, request=request)
+        except RequestRefused as err:
+            await _error(send, 502, err.message, err.kind)
+            return
+        await self._relay(run, receive, send)
+
+    async def _relay(self, run: InferletRun, receive: Receive, send: Send) -> None:
+        """Streams the instance's response; a client that goes away terminates the instance."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_on_disconnect, receive, run, nursery.cancel_scope)
+            await self._stream(run, send)
+            nursery.cancel_scope.cancel()
+
+    async def _stream(self, run: InferletRun, send: Send) -> None:
+        started = False
+        async for event in run.stream():
+            match event:
+                case ev.ResponseStarted():
+                    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in event.headers]
+                    await send(
+                        {"type": "http.response.start", "status": event.status, "headers": headers}
+                    )
+                    started = True
+                case ev.ResponseBody():
+                    await send(
+                        {"type": "http.response.body", "body": event.chunk, "more_body": True}
+                    )
+                case ev.InferletReturned() | ev.InferletFailed() | ev.InferletTerminated():
+                    if not isinstance(event, ev.InferletReturned):
+                        self._failed += 1
+                    await _end(send, event, started)
+
+    def _user(self, scope: Scope) -> str | None:
+        if self.users is None:
+            return self.config.user
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                user, _, token = value[7:].decode("latin-1").strip().partition(":")
+                if token and self.users.check_token(user, token):
+                    return user
+        return None
+
+
+async def _end(send: Send, end: Any, started: bool) -> None:
+    if started:
+        if not isinstance(end, ev.InferletReturned):
+            # The head is gone already; the body just stops short.
+            log.warning("an HTTP-served instance ended mid-response: %s", end)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    outcome = ev.outcome_of(end)
+    status = END_STATUS.get(outcome.status, 500)
+    await _error(send, status, outcome.error or outcome.status, f"inferlet_{outcome.status}")
+
+
+async def _on_disconnect(receive: Receive, run: InferletRun, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    try:
+        await run.terminate()
+    except RequestRefused:  # it ended meanwhile
+        pass
+    scope.cancel()
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None when it is over `limit` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _error(send: Send, status: int, message: str, kind: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

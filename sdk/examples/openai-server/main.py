@@ -1,0 +1,125 @@
+"""An OpenAI-compatible API as an HTTP-served inferlet: `GET /models`, `POST /chat/completions`
+and `POST /responses`, whole or streamed as server-sent events. `pie serve --http PORT --openai`
+mounts it at /v1; each request runs in its own instance, batched with everything else."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import responses
+from inferlet import Context, get_model, runtime, serving
+from inferlet.serving import HttpError, Request
+from params import Params, chat_messages
+
+
+async def handle(request: Request) -> Any:
+    route = (request.method, request.path.rstrip("/"))
+    model = get_model()
+    if route == ("GET", "/models"):
+        return {"object": "list", "data": [_model_card(model.name)]}
+    if request.method == "GET" and request.path.startswith("/models/"):
+        _check_model(request.path.removeprefix("/models/"), model.name)
+        return _model_card(model.name)
+    if route == ("POST", "/chat/completions"):
+        body = _body(request)
+        _check_model(body.get("model"), model.name)
+        return await chat_completion(model, body)
+    if route == ("POST", "/responses"):
+        body = _body(request)
+        _check_model(body.get("model"), model.name)
+        return await responses.create(model, body)
+    raise HttpError(404, f"no route {request.method} {request.path}")
+
+
+async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
+    params = Params.of(body, length_keys=("max_completion_tokens", "max_tokens"))
+    with Context(model) as ctx:
+        ctx.fill(model.format_chat(chat_messages(body.get("messages")), True))
+        generation = params.generate(ctx)
+        ident = f"chatcmpl-{runtime.instance_id()}"
+        if not body.get("stream"):
+            text = await generation.collect_text()
+            return _completion(ident, model.name, text, generation)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        await _stream_completion(ident, model.name, generation, include_usage)
+        return None
+
+
+def _completion(ident: str, name: str, text: str, generation: Any) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": _finish_reason(generation),
+            }
+        ],
+        "usage": _usage(generation),
+    }
+
+
+async def _stream_completion(ident: str, name: str, generation: Any, include_usage: bool) -> None:
+    stream = serving.respond(
+        200, {"content-type": "text/event-stream", "cache-control": "no-cache"}
+    )
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": name,
+            "choices": [choice],
+        }
+
+    stream.event(chunk({"role": "assistant", "content": ""}, None))
+    async for piece in generation:
+        stream.event(chunk({"content": piece}, None))
+    stream.event(chunk({}, _finish_reason(generation)))
+    if include_usage:
+        last = chunk({}, None)
+        last["choices"], last["usage"] = [], _usage(generation)
+        stream.event(last)
+    stream.write("data: [DONE]\n\n")
+
+
+def _usage(generation: Any) -> dict[str, int]:
+    prompt, completion = generation.prompt_tokens, len(generation.tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _finish_reason(generation: Any) -> str:
+    return "length" if generation.stop_reason == "length" else "stop"
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pie"}
+
+
+def _check_model(requested: Any, served: str) -> None:
+    if requested != served:
+        raise ModelNotFound(requested)
+
+
+class ModelNotFound(HttpError):
+    def __init__(self, requested: Any) -> None:
+        super().__init__(404, f"The model `{requested}` does not exist")
+
+
+def _body(request: Request) -> dict[str, Any]:
+    body = request.json()
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    return body

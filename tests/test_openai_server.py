@@ -1,0 +1,191 @@
+"""The OpenAI-compatible endpoint (the `openai-server` example inferlet behind the HTTP front end)
+on the real default model, driven by the `openai` Python package: greedy chat completions equal
+the engine's own decode token for token, whole or streamed, through Chat Completions and
+Responses alike, and bad requests get the API's errors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import trio
+
+from pie.config import EngineConfig, HttpConfig, with_overrides
+from pie.drivers.factory import build_torch_driver
+from pie.engine import open_engine
+from pie.events.sampling import Argmax
+from pie.generate import generate, prompt_ids
+from pie.server.http import HttpFront
+from pie.server.mounts import OPENAI_PREFIX, OPENAI_SERVER, Mounts
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
+from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Name three colours of the rainbow."
+SYSTEM = "You answer briefly."
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def real(default_model_dir: Path, pytestconfig: pytest.Config) -> Any:  # noqa: F811
+    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else ""
+    config = with_overrides(
+        EngineConfig(),
+        model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
+        kv={"num_pages": 256},
+        sandbox={"cache_dir": str(components)},
+    )
+    driver, tokenizer = build_torch_driver(config)
+    return config, driver, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server_wasm(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
+    return built(OPENAI_SERVER).read_bytes()
+
+
+@contextlib.asynccontextmanager
+async def openai_endpoint(real: Any, wasm: bytes) -> AsyncIterator[tuple[Any, str]]:
+    """An engine with the OpenAI API at <url>/v1, and the engine."""
+    config, driver, tokenizer = real
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        program = engine.programs.add(wasm, name="openai-server").hash
+        mounts = Mounts({OPENAI_PREFIX: program})
+        front = HttpFront(engine, HttpConfig(port=0), mounts, host="127.0.0.1")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(front.run)
+            yield engine, f"{front.url}{OPENAI_PREFIX}"
+            front.stop()
+            nursery.cancel_scope.cancel()
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+
+async def in_thread(fn: Callable[[], Any]) -> Any:
+    return await trio.to_thread.run_sync(fn)
+
+
+async def test_completions_equal_the_engines_decode_whole_and_streamed(
+    real: Any, server_wasm: bytes
+) -> None:
+    _, _, tokenizer = real
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        with trio.fail_after(600):
+            model = (await in_thread(lambda: client.models.list())).data[0].id
+            whole = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=TOKENS, temperature=0
+                )
+            )
+            chunks = await in_thread(
+                lambda: list(
+                    client.chat.completions.create(
+                        model=model,
+                        messages=MESSAGES,
+                        max_tokens=TOKENS,
+                        temperature=0,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
+            )
+            async with engine.requester() as requester:
+                ids = prompt_ids(tokenizer, PROMPT, system=SYSTEM)
+                stop = list(tokenizer.stop_token_ids)
+                reference = await generate(
+                    requester, ids, max_tokens=TOKENS, sampler=Argmax(), stop_tokens=stop
+                )
+    assert model == engine.info.model_name
+    expected = [t for t in reference.tokens if t not in stop]
+    finish = "length" if len(expected) == TOKENS else "stop"
+    text = whole.choices[0].message.content
+    # Re-encoding the text gives back the engine's tokens: the same tokens, not just similar text.
+    assert tokenizer.encode(text) == expected
+    assert whole.choices[0].finish_reason == finish
+    assert whole.usage.completion_tokens == len(expected)
+    assert whole.usage.prompt_tokens == len(ids)
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == text and len([d for d in deltas if d]) > 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+async def test_the_responses_api_gives_the_same_text_whole_and_as_events(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+        with trio.fail_after(600):
+            chat = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=TOKENS, temperature=0
+                )
+            )
+            whole = await in_thread(
+                lambda: client.responses.create(
+                    model=model,
+                    instructions=SYSTEM,
+                    input=PROMPT,
+                    max_output_tokens=TOKENS,
+                    temperature=0,
+                )
+            )
+            events = await in_thread(
+                lambda: list(
+                    client.responses.create(
+                        model=model,
+                        instructions=SYSTEM,
+                        input=[{"role": "user", "content": PROMPT}],
+                        max_output_tokens=TOKENS,
+                        temperature=0,
+                        stream=True,
+                    )
+                )
+            )
+    expected = chat.choices[0].message.content
+    assert whole.output_text == expected
+    complete = chat.choices[0].finish_reason == "stop"
+    assert whole.status == ("completed" if complete else "incomplete")
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created"
+    assert kinds[-1] == ("response.completed" if complete else "response.incomplete")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected and len(deltas) > 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == expected
+
+
+async def test_bad_requests_get_the_apis_errors_and_the_endpoint_serves_on(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+
+        def complete(**overrides: Any) -> Any:
+            request: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": 2}
+            return client.chat.completions.create(**{**request, **overrides})
+
+        with trio.fail_after(600):
+            with pytest.raises(openai.NotFoundError, match="does not exist"):
+                await in_thread(lambda: complete(model="gpt-nothing"))
+            with pytest.raises(openai.BadRequestError, match="temperature"):
+                await in_thread(lambda: complete(temperature=7))
+            with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
+                await in_thread(lambda: complete(messages=[{"role": "robot", "content": "x"}]))
+            with pytest.raises(openai.NotFoundError, match="no route"):
+                await in_thread(lambda: client.embeddings.create(model=model, input="x"))
+            after = await in_thread(lambda: complete(temperature=0))
+    assert after.choices[0].message.content
