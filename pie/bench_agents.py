@@ -175,7 +175,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pie.cli import engine_config
 
     config = with_overrides(
-        engine_config(args), event_log={"enabled": False}, network={"allow": ("127.0.0.1",)}
+        engine_config(args),
+        event_log={"enabled": False},
+        network={"allow": ("127.0.0.1",)},
+        # A whole task is one inferlet here: on a slow machine it may well take minutes.
+        sandbox={"budget_seconds": 3600.0},
     )
 
     async def main() -> dict[str, Any]:

@@ -7,6 +7,8 @@ import inspect
 import pytest
 import trio.testing
 
+from tests.model_fixtures import real  # noqa: F401  (a fixture for every module)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:

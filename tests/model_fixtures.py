@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,3 +28,21 @@ def default_model_dir(
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def real(default_model_dir: Path, pytestconfig: pytest.Config) -> tuple[Any, Any, Any]:
+    """(config, torch driver, tokenizer) for engines on the real default model, float32 on the
+    CPU; compiled components stay in pytest's cache."""
+    from pie.config import EngineConfig, with_overrides
+    from pie.drivers.factory import build_torch_driver
+
+    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else ""
+    config = with_overrides(
+        EngineConfig(),
+        model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
+        kv={"num_pages": 256},
+        sandbox={"cache_dir": str(components)},
+    )
+    driver, tokenizer = build_torch_driver(config)
+    return config, driver, tokenizer

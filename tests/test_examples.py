@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import trio
 
-from pie.config import EngineConfig, with_overrides
-from pie.drivers.factory import build_torch_driver
+from pie.config import EngineConfig
 from pie.engine import open_engine
 from pie.events.inferlet import InferletOutput
 from pie.events.sampling import Argmax
@@ -27,19 +26,6 @@ from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 pytestmark = pytest.mark.slow
 
 Real = tuple[EngineConfig, Any, Any]
-
-
-@pytest.fixture(scope="module")
-def real(default_model_dir: Path, pytestconfig: pytest.Config) -> Real:  # noqa: F811
-    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else ""
-    config = with_overrides(
-        EngineConfig(),
-        model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
-        kv={"num_pages": 256},
-        sandbox={"cache_dir": str(components)},
-    )
-    driver, tokenizer = build_torch_driver(config)
-    return config, driver, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import openai
 import pytest
 import trio
 
-from pie.config import EngineConfig, HttpConfig, with_overrides
-from pie.drivers.factory import build_torch_driver
+from pie.config import HttpConfig
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
 from pie.generate import generate, prompt_ids
@@ -30,19 +29,6 @@ PROMPT = "Name three colours of the rainbow."
 SYSTEM = "You answer briefly."
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
 TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def real(default_model_dir: Path, pytestconfig: pytest.Config) -> Any:  # noqa: F811
-    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else ""
-    config = with_overrides(
-        EngineConfig(),
-        model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
-        kv={"num_pages": 256},
-        sandbox={"cache_dir": str(components)},
-    )
-    driver, tokenizer = build_torch_driver(config)
-    return config, driver, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from typing import Any
 
 from executor import Execution, Executor
 from inferlet import Context, get_model
-from turns import take_turn
+from inferlet.turns import take_turn
 
 SYSTEM = (
     "You solve tasks by running Python. To run code, reply with one block\n"

@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from inferlet import Context, get_model
+from inferlet.turns import take_turn
 from tools import Tool, ToolError, parse_call, toolbox
-from turns import take_turn
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
