@@ -1,5 +1,5 @@
-"""`pie`: serve | generate | build | run | submit | list | attach | stop | status | auth | log |
-replay | bench. Results go to stdout; progress and logs to stderr."""
+"""`pie`: serve | generate | build | run | submit | list | attach | stop | status | watch |
+publish | push | auth | log | replay | bench. Results go to stdout; progress and logs to stderr."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ RUNNERS = {
     "attach": "pie.client.cli:run_attach",
     "stop": "pie.client.cli:run_stop",
     "status": "pie.client.cli:run_status",
+    "watch": "pie.client.cli:run_watch",
+    "publish": "pie.client.cli:run_publish",
+    "push": "pie.client.cli:run_push",
     "auth": "pie.server.auth_cli:run_auth",
     "generate": "pie.commands:run_generate",
     "build": "pie.commands:run_build",
@@ -142,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def add_client_parsers(subparsers: Any) -> None:
-    """Registers submit, list, attach, stop and status on `pie`'s sub-command parsers."""
+    """Registers submit, list, attach, stop, status, watch, publish and push on `pie`'s
+    sub-command parsers."""
     submit = subparsers.add_parser("submit", help="install an inferlet on a server and run it")
     submit.add_argument(
         "program", help="a .wasm component made by `pie build`, or an inferlet folder to build"
@@ -158,7 +162,17 @@ def add_client_parsers(subparsers: Any) -> None:
     stop = subparsers.add_parser("stop", help="terminate an inferlet")
     stop.add_argument("instance")
     status = subparsers.add_parser("status", help="a server's engine statistics")
-    for parser in (submit, listing, attach, stop, status):
+    watch = subparsers.add_parser("watch", help="print the messages broadcast on topics")
+    watch.add_argument("topics", nargs="+", metavar="TOPIC")
+    watch.add_argument("--count", type=int, default=0, help="stop after N messages (0: never)")
+    watch.add_argument("--json", action="store_true", help="one JSON object per message")
+    publish = subparsers.add_parser("publish", help="broadcast a message on a topic")
+    publish.add_argument("topic")
+    publish.add_argument("message")
+    push = subparsers.add_parser("push", help="append a message to a queue")
+    push.add_argument("queue")
+    push.add_argument("message")
+    for parser in (submit, listing, attach, stop, status, watch, publish, push):
         _connection_options(parser)
 
 

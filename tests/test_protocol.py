@@ -34,6 +34,10 @@ CLIENT_SAMPLES = (
     m.Terminate(corr=11, instance="i1"),
     m.ListInferlets(corr=12),
     m.QueryStatistics(corr=13),
+    m.Watch(corr=14, topic="swarm/plan"),
+    m.Unwatch(corr=15, topic="swarm/plan"),
+    m.Publish(corr=16, topic="news", message="hello"),
+    m.Push(corr=17, queue="jobs", message="job-1"),
 )
 
 SERVER_SAMPLES = (
@@ -85,6 +89,7 @@ SERVER_SAMPLES = (
         seq=6,
         event=ev.InferletTerminated(instance="i3", reason="stopped", seconds=0.5),
     ),
+    m.WatchedMessage(topic="news", sender="inferlet:i3", message="hello"),
 )
 
 

@@ -1,6 +1,7 @@
 """The scenarios in scenarios/, run against one `pie serve` child process on the real default
 model: a multi-turn chat that prefills only each new turn, 32 concurrent clients whose batched
-results equal their solo runs, and a completion streamed piece by piece."""
+results equal their solo runs, a completion streamed piece by piece, and a swarm of agent
+inferlets whose traffic its client watches."""
 
 from __future__ import annotations
 
@@ -130,3 +131,15 @@ async def test_streamed_completion_sends_its_result_piece_by_piece(
     assert inferlet.outcome is not None and inferlet.outcome.ok, inferlet.outcome
     assert inferlet.outcome.result == plain == "".join(p or "" for p in pieces)
     assert len(pieces) > 1
+
+
+def test_swarm_pipeline_runs_every_agent_and_the_watcher_sees_it(
+    server: LocalServer, inferlets: Path
+) -> None:
+    report = load_scenario("swarm").run(server.url, cache_dir=inferlets)
+    assert all(report["checks"].values()), (report["checks"], report["error"])
+    stages = [message["stage"] for message in report["watched"]]
+    assert stages == ["plan", "drafts", "drafts", "drafts", "critique", "answer"]
+    senders = {message["sender"] for message in report["watched"]}
+    assert len(senders) == len(report["agents"]) == 6
+    assert report["answer"] == report["watched"][-1]["text"] != ""

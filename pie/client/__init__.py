@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pie.client.bus import Watch
 from pie.client.connection import DEFAULT_URL, Client, connect
 from pie.client.errors import (
     AuthenticationFailed,
@@ -13,9 +14,10 @@ from pie.client.errors import (
     NotOwner,
     PieError,
     ServerError,
+    WatchOverflowed,
 )
 from pie.client.inferlet import Outcome, ProgramInfo, RemoteInferlet
-from pie.client.sync import SyncClient, SyncInferlet
+from pie.client.sync import SyncClient, SyncInferlet, SyncWatch
 from pie.events.inferlet import (
     InferletFailed,
     InferletOutput,
@@ -24,7 +26,7 @@ from pie.events.inferlet import (
     InferletTerminated,
     SessionMessage,
 )
-from pie.server.messages import EngineStatus, InferletSummary, Welcome
+from pie.server.messages import EngineStatus, InferletSummary, WatchedMessage, Welcome
 
 __all__ = [
     "DEFAULT_URL",
@@ -51,6 +53,10 @@ __all__ = [
     "SessionMessage",
     "SyncClient",
     "SyncInferlet",
+    "SyncWatch",
+    "Watch",
+    "WatchOverflowed",
+    "WatchedMessage",
     "Welcome",
     "connect",
 ]

@@ -1,10 +1,11 @@
-"""The bodies of `pie submit`, `pie list`, `pie attach`, `pie stop` and `pie status`: the client
+"""The bodies of `pie submit | list | attach | stop | status | watch | publish | push`: the client
 against a running `pie serve`. Results go to stdout; progress, notes and errors to stderr."""
 
 from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 import attrs
 import trio
 
+from pie.client.bus import Watch
 from pie.client.connection import Client, connect
 from pie.client.errors import CannotConnect, ConnectionLost, PieError, ServerError
 from pie.client.inferlet import Outcome, RemoteInferlet
@@ -97,6 +99,69 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, status)
+
+
+def run_watch(args: argparse.Namespace) -> int:
+    async def watch(client: Client) -> int:
+        watches = [await client.watch(topic) for topic in args.topics]
+        merged_send, merged = trio.open_memory_channel[Any](0)
+        with trio.CancelScope() as scope, _interrupt_cancels(scope):
+            async with trio.open_nursery() as nursery:
+                for each in watches:
+                    nursery.start_soon(_drain, each, merged_send.clone())
+                merged_send.close()
+                error = await _print_messages(merged, args.count, args.json)
+                nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
+        return INTERRUPTED if scope.cancelled_caught else 0
+
+    return _run(args, watch)
+
+
+async def _drain(watch: Watch, out: trio.MemorySendChannel[Any]) -> None:
+    """Moves a watch's messages to `out`; an error that ends the watch goes there too."""
+    async with out:
+        try:
+            async for message in watch:
+                await out.send(message)
+        except PieError as exc:
+            await out.send(exc)
+
+
+async def _print_messages(
+    messages: trio.MemoryReceiveChannel[Any], count: int, as_json: bool
+) -> PieError | None:
+    """Prints `count` messages (0: all), one per line; returns the error that ended a watch."""
+    seen = 0
+    async for message in messages:
+        if isinstance(message, PieError):
+            return message
+        if as_json:
+            line = json.dumps(attrs.asdict(message), ensure_ascii=False)
+        else:
+            line = f"{message.topic} {message.sender}: {message.message}"
+        print(line, flush=True)
+        seen += 1
+        if seen == count:
+            break
+    return None
+
+
+def run_publish(args: argparse.Namespace) -> int:
+    async def publish(client: Client) -> int:
+        await client.publish(args.topic, args.message)
+        return 0
+
+    return _run(args, publish)
+
+
+def run_push(args: argparse.Namespace) -> int:
+    async def push(client: Client) -> int:
+        await client.push(args.queue, args.message)
+        return 0
+
+    return _run(args, push)
 
 
 # -- running a command -------------------------------------------------------------------------

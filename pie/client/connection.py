@@ -10,12 +10,13 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from trio_websocket import open_websocket_url as _open_websocket_url
 
+from pie.client.bus import Watch, Watches
 from pie.client.errors import (
     AuthenticationFailed,
     CannotConnect,
@@ -23,6 +24,7 @@ from pie.client.errors import (
     EventsOverflowed,
     NoSuchProgram,
     PieError,
+    raise_sole,
     server_error,
 )
 from pie.client.inferlet import FINAL_EVENTS, ProgramInfo, RemoteInferlet, Subscription
@@ -49,6 +51,7 @@ class Client:
         self._waiters: dict[int, trio.MemorySendChannel[Any]] = {}
         self._launching: dict[int, Subscription] = {}
         self._subs: dict[str, Subscription] = {}
+        self._watches = Watches()
         self._lost: ConnectionLost | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -122,6 +125,25 @@ class Client:
     async def statistics(self) -> msg.EngineStatus:
         reply: msg.EngineStatus = await self._call(msg.QueryStatistics(corr=self._corr()))
         return reply
+
+    async def watch(self, topic: str) -> Watch:
+        """Follows every message broadcast on `topic` (by inferlets or clients) from now on.
+        Messages wait in the returned `Watch` until read, up to 65536."""
+        watch = self._watches.open(topic, self._stop_watch)
+        try:
+            await self._call(msg.Watch(corr=self._corr(), topic=topic))
+        except BaseException:
+            self._watches.close(watch)
+            raise
+        return watch
+
+    async def publish(self, topic: str, message: str) -> None:
+        """Broadcasts `message` to the topic's current subscribers, as an inferlet would."""
+        await self._call(msg.Publish(corr=self._corr(), topic=topic, message=message))
+
+    async def push(self, queue: str, message: str) -> None:
+        """Appends `message` to a queue, for one inferlet's `messaging.pull`."""
+        await self._call(msg.Push(corr=self._corr(), queue=queue, message=message))
 
     async def close(self) -> None:
         await self._ws.aclose()
@@ -240,6 +262,11 @@ class Client:
         if isinstance(message, msg.InferletEvent):
             self._deliver(message)
             return
+        if isinstance(message, msg.WatchedMessage):
+            overflowed = self._watches.deliver(message)
+            if overflowed is not None:
+                self._later(msg.Unwatch(corr=self._corr(), topic=overflowed.topic))
+            return
         corr = getattr(message, "corr", None)
         if isinstance(message, msg.Launched) and corr in self._launching:
             sub = self._launching[corr]
@@ -261,19 +288,27 @@ class Client:
         except trio.WouldBlock:
             # Blocking here would stall every reply and every other inferlet on this connection.
             self._unsubscribe(sub, EventsOverflowed(sub.instance, message.seq - 1))
-            assert self._nursery is not None
-            self._nursery.start_soon(self._detach_quietly, sub.instance)
+            self._later(msg.Detach(corr=self._corr(), instance=sub.instance))
             return
         if isinstance(message.event, FINAL_EVENTS):
             sub.ended = True
             self._unsubscribe(sub)
 
-    async def _detach_quietly(self, instance: str) -> None:
+    def _later(self, request: msg.Detach | msg.Unwatch) -> None:
+        """Sends a request from a task of its own, for the reader task, which must not wait."""
+        assert self._nursery is not None
+        self._nursery.start_soon(self._call_quietly, request)
+
+    async def _call_quietly(self, request: msg.Detach | msg.Unwatch) -> None:
         with trio.move_on_after(CONNECT_SECONDS):
             try:
-                await self._call(msg.Detach(corr=self._corr(), instance=instance))
+                await self._call(request)
             except PieError:
-                pass  # the inferlet ended or the connection went: nothing left to detach
+                pass  # it ended meanwhile or the connection went: nothing is left to stop
+
+    async def _stop_watch(self, watch: Watch) -> None:
+        self._watches.close(watch)
+        await self._call(msg.Unwatch(corr=self._corr(), topic=watch.topic))
 
     def _subscribe(self, sub: Subscription) -> Subscription:
         old = self._subs.get(sub.instance)
@@ -296,6 +331,7 @@ class Client:
             waiter.close()
         for sub in list(self._subs.values()) + list(self._launching.values()):
             self._unsubscribe(sub, error)
+        self._watches.close_all(error)
 
 
 def _info(found: msg.ProgramFound) -> ProgramInfo:
@@ -350,7 +386,7 @@ async def connect(
                     client._lose(ConnectionLost(f"the connection to {url} was closed"))
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            _reraise(_sole(group))
+            raise_sole(group)
 
 
 async def _open(stack: AsyncExitStack, url: str, max_frame: int) -> WebSocketConnection:
@@ -361,18 +397,3 @@ async def _open(stack: AsyncExitStack, url: str, max_frame: int) -> WebSocketCon
         raise CannotConnect(url, str(exc.__cause__ or exc) or type(exc).__name__) from None
     except (OSError, ValueError) as exc:
         raise CannotConnect(url, str(exc)) from None
-
-
-def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception a nursery wrapped (the reader task never raises), so callers can
-    catch `ServerError` and friends plainly; several stay grouped."""
-    return group.exceptions[0] if len(group.exceptions) == 1 else group
-
-
-def _reraise(exc: BaseException) -> NoReturn:
-    # Raising inside `except` would make the group the exception's context, hiding its own.
-    context = exc.__context__
-    try:
-        raise exc
-    finally:
-        exc.__context__ = context

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 
 class PieError(Exception):
     """Anything the pie client raises on purpose."""
@@ -30,6 +32,17 @@ class EventsOverflowed(PieError):
         )
         self.instance = instance
         self.last_seq = last_seq
+
+
+class WatchOverflowed(PieError):
+    """A watched topic's messages piled up unread, so the client stopped watching it."""
+
+    def __init__(self, topic: str, buffered: int) -> None:
+        super().__init__(
+            f"messages on {topic!r} were not read in time ({buffered} queued), so the client "
+            "stopped watching it"
+        )
+        self.topic = topic
 
 
 class ServerError(PieError):
@@ -67,3 +80,15 @@ _ERRORS: dict[str, type[ServerError]] = {
 
 def server_error(kind: str, message: str) -> ServerError:
     return _ERRORS.get(kind, ServerError)(kind, message)
+
+
+def raise_sole(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raises the one exception a nursery wrapped (the client's reader task never raises), so
+    callers can catch `ServerError` and friends plainly; several stay grouped."""
+    exc = group.exceptions[0] if len(group.exceptions) == 1 else group
+    # Raising inside `except` would make the group the exception's context, hiding its own.
+    context = exc.__context__
+    try:
+        raise exc
+    finally:
+        exc.__context__ = context

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from pie.client.bus import Watch
 from pie.client.connection import CHUNK_SIZE, DEFAULT_URL, Client, connect
 from pie.client.errors import ConnectionLost
 from pie.client.inferlet import Outcome, ProgramInfo, RemoteInferlet
@@ -108,6 +109,31 @@ class SyncInferlet:
         self._loop.run(self._remote.detach)
 
 
+class SyncWatch:
+    """A watched topic, as `Watch` but blocking: iterate it, or call `next()`."""
+
+    def __init__(self, loop: _Loop, watch: Watch) -> None:
+        self._loop = loop
+        self._watch = watch
+        self.topic = watch.topic
+
+    def next(self) -> msg.WatchedMessage | None:
+        return self._loop.run(self._watch.next)
+
+    def __iter__(self) -> Iterator[msg.WatchedMessage]:
+        while (message := self.next()) is not None:
+            yield message
+
+    def stop(self) -> None:
+        self._loop.run(self._watch.stop)
+
+    def __enter__(self) -> SyncWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class SyncClient:
     """A connection to a pie server for code without Trio. Make one with `SyncClient.connect`
     and close it (or use it as a context manager)."""
@@ -166,6 +192,15 @@ class SyncClient:
 
     def statistics(self) -> msg.EngineStatus:
         return self._loop.run(self._client.statistics)
+
+    def watch(self, topic: str) -> SyncWatch:
+        return SyncWatch(self._loop, self._loop.run(self._client.watch, topic))
+
+    def publish(self, topic: str, message: str) -> None:
+        self._loop.run(self._client.publish, topic, message)
+
+    def push(self, queue: str, message: str) -> None:
+        self._loop.run(self._client.push, queue, message)
 
     def close(self) -> None:
         self._loop.stop()

@@ -106,6 +106,38 @@ class QueryStatistics:
     corr: int
 
 
+@frozen(kw_only=True)
+class Watch:
+    """Stream every message broadcast on `topic` from now on to this connection."""
+
+    corr: int
+    topic: str
+
+
+@frozen(kw_only=True)
+class Unwatch:
+    corr: int
+    topic: str
+
+
+@frozen(kw_only=True)
+class Publish:
+    """Broadcast `message` on `topic`, as an inferlet's `messaging.broadcast` does."""
+
+    corr: int
+    topic: str
+    message: str
+
+
+@frozen(kw_only=True)
+class Push:
+    """Append `message` to `queue`, as an inferlet's `messaging.push` does."""
+
+    corr: int
+    queue: str
+    message: str
+
+
 ClientMessage: TypeAlias = (
     Authenticate
     | RequestChallenge
@@ -118,6 +150,10 @@ ClientMessage: TypeAlias = (
     | Terminate
     | ListInferlets
     | QueryStatistics
+    | Watch
+    | Unwatch
+    | Publish
+    | Push
 )
 
 # -- server -> client ----------------------------------------------------------------------------
@@ -235,6 +271,16 @@ class InferletEvent:
     event: StreamedEvent
 
 
+@frozen(kw_only=True)
+class WatchedMessage:
+    """A message broadcast on a topic this connection watches; `sender` is the bus address
+    that broadcast it (`inferlet:ID` for an inferlet, `session:N` for a client)."""
+
+    topic: str
+    sender: str
+    message: str
+
+
 ServerMessage: TypeAlias = (
     Welcome
     | Done
@@ -247,6 +293,7 @@ ServerMessage: TypeAlias = (
     | InferletList
     | EngineStatus
     | InferletEvent
+    | WatchedMessage
 )
 
 CLIENT_MESSAGES: tuple[type, ...] = ClientMessage.__args__  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from pie.actors.requester import RequestRefused
 from pie.server import messages as msg
+from pie.server.bus import BusAccess
 from pie.server.hub import Refused
 from pie.server.protocol import FrameError, decode_client_frame, encode_frame
 from pie.server.uploads import Uploads
@@ -36,11 +37,13 @@ class Session:
         self._close_code = CLOSE_GOING_AWAY
         self._close_reason = "server stopping"
         self._cancel = trio.CancelScope()
+        self._bus = BusAccess(server.engine, connection, self.post)
 
     async def run(self) -> None:
         with self._cancel:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write_loop)
+                await nursery.start(self._bus.run)
                 self.post(self.server.welcome())
                 await self._read_loop()
                 nursery.cancel_scope.cancel()
@@ -133,6 +136,14 @@ class Session:
                 )
             case msg.QueryStatistics():
                 return server.engine_status(request.corr)
+            case msg.Watch():
+                await self._bus.watch(request.topic)
+            case msg.Unwatch():
+                await self._bus.unwatch(request.topic)
+            case msg.Publish():
+                await self._bus.publish(request.topic, request.message)
+            case msg.Push():
+                await self._bus.push(request.queue, request.message)
         return msg.Done(corr=request.corr)
 
     def _attach(self, request: msg.Attach) -> None:
