@@ -22,10 +22,11 @@ class Mounts:
     def __init__(self, programs: dict[str, str]) -> None:
         self.programs = dict(programs)
         """Prefix -> program reference (name, name@version or content hash)."""
+        self._longest_first = sorted(self.programs, key=len, reverse=True)
 
     def find(self, path: str) -> tuple[str, str] | None:
         """The program for `path` (the longest matching prefix wins) and the path below it."""
-        for prefix in sorted(self.programs, key=len, reverse=True):
+        for prefix in self._longest_first:
             if prefix == "/":
                 return self.programs[prefix], path
             if path == prefix or path.startswith(prefix + "/"):

@@ -28,11 +28,7 @@ def respond(status: int, headers: Any) -> None:
     state, response = _serving()
     if response.started:
         raise HostFailure("invalid", "the response has already started")
-    pairs = check_head(status, headers)
-    response.started = True
-    state.bridge.post(
-        "inferlets", ev.ResponseStarted(instance=state.instance, status=status, headers=pairs)
-    )
+    _start(state, response, status, headers)
 
 
 def write(chunk: bytes) -> None:
@@ -46,11 +42,15 @@ def finish(state: InstanceState, returned: Any) -> None:
     """Sends the head (unless `respond` did) and the body `handle` returned."""
     response: Response = state.response
     if not response.started:
-        pairs = check_head(returned.status, returned.headers)
-        response.started = True
-        head = ev.ResponseStarted(instance=state.instance, status=returned.status, headers=pairs)
-        state.bridge.post("inferlets", head)
+        _start(state, response, returned.status, returned.headers)
     _post_body(state, bytes(returned.body))
+
+
+def _start(state: InstanceState, response: Response, status: int, headers: Any) -> None:
+    pairs = check_head(status, headers)
+    response.started = True
+    head = ev.ResponseStarted(instance=state.instance, status=status, headers=pairs)
+    state.bridge.post("inferlets", head)
 
 
 def check_head(status: int, headers: Any) -> tuple[tuple[str, str], ...]:
