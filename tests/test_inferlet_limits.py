@@ -15,7 +15,7 @@ import trio
 from pie.engine import open_engine
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.test_examples import Real, example, real  # noqa: F401  (fixtures)
+from tests.test_examples import Real, example  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
