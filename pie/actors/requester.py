@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import trio
@@ -81,7 +81,7 @@ class Requester:
         self._corr = corr_ids
         self._inbox = router.register(address, capacity=65536)
         self._waiting: dict[int, _Reply] = {}
-        self._topics: dict[int, trio.MemorySendChannel[bus_ev.TopicMessage]] = {}
+        self._topics: dict[int, Callable[[bus_ev.TopicMessage], None]] = {}
         self._runs: dict[str, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
         self._runs = {}
 
@@ -101,12 +101,9 @@ class Requester:
                 run[0].send_nowait(event)
             return
         if isinstance(event, bus_ev.TopicMessage):
-            channel = self._topics.get(event.corr)
-            if channel is not None:
-                try:
-                    channel.send_nowait(event)
-                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                    pass
+            deliver = self._topics.get(event.corr)
+            if deliver is not None:
+                deliver(event)
             return
         reply = self._waiting.pop(event.corr, None)
         if reply is not None:
@@ -200,19 +197,17 @@ class Requester:
     async def publish(self, topic: str, message: str) -> None:
         await self.call("bus", bus_ev.Publish, topic=topic, message=message)
 
-    async def subscribe(
-        self, topic: str, buffer: int = 1024
-    ) -> trio.MemoryReceiveChannel[bus_ev.TopicMessage]:
-        """Messages published on `topic` from now on (a full buffer drops the newest)."""
+    async def subscribe(self, topic: str, deliver: Callable[[bus_ev.TopicMessage], None]) -> None:
+        """Calls `deliver` with every message published on `topic` from now on, in order and
+        none dropped, from this requester's task (so it must not block); the subscription
+        ends when the requester closes."""
         event = bus_ev.Subscribe(corr=next(self._corr), requester=self.address, topic=topic)
-        send, receive = trio.open_memory_channel[bus_ev.TopicMessage](buffer)
-        self._topics[event.corr] = send
+        self._topics[event.corr] = deliver
         try:
             await self._exchange("bus", event)
         except BaseException:
-            self._topics.pop(event.corr).close()
+            del self._topics[event.corr]
             raise
-        return receive
 
     # -- inferlets ----------------------------------------------------------------------------
 
@@ -245,8 +240,7 @@ class Requester:
             await self.call("kv", kv_ev.ReleaseRequester)
             await self.call("bus", bus_ev.LeaveBus)
         self.router.unregister(self.address)
-        for channel in self._topics.values():
-            channel.close()
+        self._topics.clear()
 
 
 _LIFECYCLE = (

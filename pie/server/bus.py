@@ -24,9 +24,6 @@ MAX_NAME_BYTES = 256
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_WATCHES = 64
 """Topics one connection may watch at once."""
-WATCH_BUFFER = 1024
-"""Messages of one watch between the bus and the connection's outbox; the watch's task moves
-them on at once, so a reader that falls behind fills the outbox, not this."""
 
 
 @define
@@ -87,11 +84,10 @@ class BusAccess:
         try:
             with watch.scope:
                 async with self._engine.requester(address) as requester:
-                    messages = await requester.subscribe(topic, buffer=WATCH_BUFFER)
+                    await requester.subscribe(topic, lambda event: self._post(_watched(event)))
                     self._watches[topic] = watch
                     task_status.started()
-                    async for event in messages:
-                        self._post(_watched(event))
+                    await trio.sleep_forever()
         finally:
             # The requester has closed by now, so the bus holds no subscription of this watch.
             if self._watches.get(topic) is watch:
