@@ -101,6 +101,9 @@ class SandboxConfig:
     """Messages a topic subscription holds before it drops (and reports an overrun)."""
     epoch_ms: float = 5.0
     """How often the runaway-guest check runs."""
+    guest_niceness: int = field(default=10, validator=[_at_least(0), attrs.validators.le(19)])
+    """Scheduling niceness of guest threads (0-19): above 0, busy guests yield the CPU to the
+    engine's own threads, and to every other process on the machine."""
 
 
 def _policy_entries(_: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:

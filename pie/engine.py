@@ -135,6 +135,7 @@ class Engine:
             version=__version__,
             files=_file_layout(sandbox),
             subscription_buffer=sandbox.subscription_buffer,
+            guest_niceness=sandbox.guest_niceness,
             lanes=self.lanes if self.config.scheduler.fast_path else None,
         )
 

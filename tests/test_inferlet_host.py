@@ -4,9 +4,12 @@ and cleanup after every kind of end."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import wasmtime
 
@@ -136,3 +139,25 @@ async def test_closing_a_launcher_stops_its_inferlets_ended_or_not(tmp_path: Pat
         stats = engine.statistics().inferlets
     assert (stats.returned, stats.terminated) == (1, 1)
     assert "client:" not in " ".join(m.address for m in engine.router.statistics())
+
+
+async def test_guest_threads_run_at_the_configured_niceness(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import pie.actors.inferlet.actor as actor
+
+    set_to: list[int] = []
+
+    def setpriority(which: int, who: int, niceness: int) -> None:
+        assert (which, who) == (os.PRIO_PROCESS, threading.get_native_id())
+        set_to.append(niceness)
+
+    monkeypatch.setattr(actor.os, "setpriority", setpriority)
+    for niceness in (0, 7):
+        async with engine_for(tmp_path, guest_niceness=niceness) as engine:
+            outcome = await engine.run_inferlet(add_guest(engine), "o")
+        assert outcome.status == "returned"
+    assert set_to == [0, 7]
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="guest_niceness"):
+            config(tmp_path, guest_niceness=bad)

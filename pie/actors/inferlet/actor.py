@@ -31,9 +31,6 @@ from pie.sandbox import (
 from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
 from pie.sandbox.wasm import record
 
-GUEST_NICENESS = 10
-"""Guest threads run at a lower priority, so a busy guest never delays the driver thread."""
-
 
 class TrioBridge:
     """Host calls reach the Trio thread with one `run_sync_soon` each; nothing waits there."""
@@ -74,6 +71,7 @@ class InferletActor(Actor):
         version: str,
         files: FileLayout | None = None,
         subscription_buffer: int = 1024,
+        guest_niceness: int = 10,
         lanes: Lanes | None = None,
     ) -> None:
         super().__init__("inferlets", router, capacity=65536)
@@ -86,6 +84,7 @@ class InferletActor(Actor):
         self._corr = corr
         self.files = InstanceFiles(files or FileLayout())
         self._subscription_buffer = subscription_buffer
+        self._guest_niceness = guest_niceness
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
         self._kills: dict[str, KillSwitch] = {}
@@ -197,7 +196,8 @@ class InferletActor(Actor):
         done: Any,
     ) -> None:
         with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GUEST_NICENESS)
+            # Guest threads yield to the driver thread, so a busy guest never delays a pass.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._guest_niceness)
         bind(state)
         started = time.monotonic()
         try:
