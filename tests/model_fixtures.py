@@ -25,6 +25,13 @@ def default_model_dir(
     return resolve_model(None, cache_dir=cache_dir)
 
 
+def components_dir(pytestconfig: pytest.Config) -> str:
+    """Where engines in tests keep compiled components: pytest's cache folder, or the engine's
+    own default when pytest's cache is disabled."""
+    cache = getattr(pytestconfig, "cache", None)
+    return "" if cache is None else str(cache.mkdir("pie-components"))
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
@@ -37,12 +44,11 @@ def real(default_model_dir: Path, pytestconfig: pytest.Config) -> tuple[Any, Any
     from pie.config import EngineConfig, with_overrides
     from pie.drivers.factory import build_torch_driver
 
-    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else ""
     config = with_overrides(
         EngineConfig(),
         model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
         kv={"num_pages": 256},
-        sandbox={"cache_dir": str(components)},
+        sandbox={"cache_dir": components_dir(pytestconfig)},
     )
     driver, tokenizer = build_torch_driver(config)
     return config, driver, tokenizer

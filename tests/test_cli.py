@@ -13,7 +13,7 @@ import pytest
 
 from tests.inferlet_fixtures import EXAMPLES, GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
-from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
+from tests.model_fixtures import components_dir, default_model_dir  # noqa: F401  (fixture)
 
 
 def pie(*args: str) -> subprocess.CompletedProcess[str]:
@@ -70,7 +70,7 @@ def test_a_bad_config_value_is_refused_by_name(tmp_path: Path) -> None:
 
 def run_config(tmp_path: Path, pytestconfig: pytest.Config) -> Path:
     """Few KV pages, and compiled components kept in pytest's cache between runs."""
-    components = pytestconfig.cache.mkdir("pie-components") if pytestconfig.cache else tmp_path
+    components = components_dir(pytestconfig) or tmp_path
     config = tmp_path / "pie.toml"
     config.write_text(
         f'[kv]\nnum_pages = 64\n[sandbox]\ncache_dir = "{components}"\n', encoding="utf-8"
