@@ -7,7 +7,7 @@ import inspect
 import pytest
 import trio.testing
 
-from tests.model_fixtures import real  # noqa: F401  (a fixture for every module)
+from tests.model_fixtures import default_model_dir, real, tokenizer  # noqa: F401  (fixtures for every module)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pie.drivers.loader.resolve import default_gguf_path, resolve_model
+from pie.drivers.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -38,17 +39,30 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def real(default_model_dir: Path, pytestconfig: pytest.Config) -> tuple[Any, Any, Any]:
+def tokenizer(default_model_dir: Path) -> Tokenizer:
+    """The default model's tokenizer."""
+    return Tokenizer.from_folder(default_model_dir)
+
+
+def real_model(
+    default_model_dir: Path, pytestconfig: pytest.Config, num_pages: int
+) -> tuple[Any, Any, Any]:
     """(config, torch driver, tokenizer) for engines on the real default model, float32 on the
-    CPU; compiled components stay in pytest's cache."""
+    CPU, with `num_pages` KV pages; compiled components stay in pytest's cache."""
     from pie.config import EngineConfig, with_overrides
     from pie.drivers.factory import build_torch_driver
 
     config = with_overrides(
         EngineConfig(),
         model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
-        kv={"num_pages": 256},
+        kv={"num_pages": num_pages},
         sandbox={"cache_dir": components_dir(pytestconfig)},
     )
     driver, tokenizer = build_torch_driver(config)
     return config, driver, tokenizer
+
+
+@pytest.fixture(scope="module")
+def real(default_model_dir: Path, pytestconfig: pytest.Config) -> tuple[Any, Any, Any]:
+    """The real default model with 256 KV pages (see `real_model`)."""
+    return real_model(default_model_dir, pytestconfig, num_pages=256)

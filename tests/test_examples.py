@@ -45,6 +45,13 @@ async def run(engine: Any, wasm: bytes, request: dict[str, Any], **kwargs: Any) 
     return outcome.result
 
 
+async def run_alone(real: Real, wasm: bytes, request: dict[str, Any]) -> Any:
+    """The inferlet's JSON result, run on an engine of its own."""
+    config, driver, tokenizer = real
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        return json.loads(await run(engine, wasm, request))
+
+
 async def greedy(engine: Any, ids: list[int], max_tokens: int) -> list[int]:
     stop = engine.tokenizer.stop_token_ids
     async with engine.requester() as req:
@@ -171,7 +178,7 @@ def assert_only_new_tokens_were_fed(tokenizer: Any, result: dict[str, Any]) -> N
 async def test_codeact_runs_the_code_and_goes_on_in_the_same_context(
     real: Real, example: Callable[[str], bytes]
 ) -> None:
-    config, driver, tokenizer = real
+    tokenizer = real[2]
     request = {
         "task": "What is the sum of the numbers from 0 to 9?",
         "prefill": "```python\nprint(sum(range(10)))\n```\n",
@@ -179,8 +186,7 @@ async def test_codeact_runs_the_code_and_goes_on_in_the_same_context(
         "max_tokens": 24,
         "check_fresh": True,
     }
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        result = json.loads(await run(engine, example("codeact"), request))
+    result = await run_alone(real, example("codeact"), request)
     first, second = result["steps"]
     assert (first["stop_reason"], first["generated"]) == ("prefill", 0)
     assert first["code"] == "print(sum(range(10)))\n"
@@ -195,15 +201,14 @@ async def test_codeact_runs_the_code_and_goes_on_in_the_same_context(
 async def test_codeact_feeds_an_exception_back_as_its_traceback(
     real: Real, example: Callable[[str], bytes]
 ) -> None:
-    config, driver, tokenizer = real
+    tokenizer = real[2]
     request = {
         "task": "Divide ten by zero.",
         "prefill": "```python\nten = 10\nprint(ten / 0)\n```\n",
         "max_steps": 2,
         "max_tokens": 8,
     }
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        result = json.loads(await run(engine, example("codeact"), request))
+    result = await run_alone(real, example("codeact"), request)
     first = result["steps"][0]
     assert first["failed"] is True
     assert first["output"].startswith("Traceback (most recent call last):\n")
@@ -220,7 +225,7 @@ ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_cal
 async def test_function_calling_runs_the_tool_and_goes_on_without_prefilling_again(
     real: Real, example: Callable[[str], bytes]
 ) -> None:
-    config, driver, tokenizer = real
+    tokenizer = real[2]
     request = {
         "task": "What is 2 plus 40?",
         "prefill": ADD_CALL,
@@ -228,8 +233,7 @@ async def test_function_calling_runs_the_tool_and_goes_on_without_prefilling_aga
         "max_tokens": 16,
         "check_fresh": True,
     }
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        result = json.loads(await run(engine, example("function-calling"), request))
+    result = await run_alone(real, example("function-calling"), request)
     first, second = result["steps"]
     assert first["call"] == {"name": "add", "arguments": {"a": 2, "b": 40}}
     assert (first["result"], first["error"]) == (42, None)

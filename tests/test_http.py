@@ -91,11 +91,6 @@ def fetcher_wasm(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
     return built(GUESTS / "fetcher").read_bytes()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Tokenizer:  # noqa: F811
-    return Tokenizer.from_folder(default_model_dir)
-
-
 async def _run(
     tokenizer: Tokenizer, wasm: bytes, tmp_path: Path, requests: list[dict[str, Any]], **net: Any
 ) -> list[dict[str, Any]]:

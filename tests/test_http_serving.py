@@ -37,11 +37,6 @@ def social(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Tokenizer:  # noqa: F811
-    return Tokenizer.from_folder(default_model_dir)
-
-
-@pytest.fixture(scope="module")
 def components(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Compiled components, shared by this module's engines (a compile takes seconds)."""
     return tmp_path_factory.mktemp("components")

@@ -27,11 +27,6 @@ def social(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
     return built(GUESTS / "social").read_bytes()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Tokenizer:  # noqa: F811
-    return Tokenizer.from_folder(default_model_dir)
-
-
 def engine_for(tokenizer: Tokenizer, tmp_path: Path) -> Any:
     config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(tmp_path)})
     driver = SyntheticDriver(vocab_size=tokenizer.vocab_size)

@@ -50,11 +50,6 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("components")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Tokenizer:  # noqa: F811
-    return Tokenizer.from_folder(default_model_dir)
-
-
 def stdio(name: str = "tools", **extra: Any) -> dict[str, Any]:
     return {"name": name, "command": [sys.executable, SERVER], **extra}
 

@@ -15,13 +15,12 @@ import trio
 
 from pie.actors.kv import KvCore
 from pie.config import EngineConfig, with_overrides
-from pie.drivers.factory import build_torch_driver
 from pie.engine import Engine, open_engine
 from pie.eventlog.replay import replay
 from pie.events.speculation import LanePassApplied
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
-from tests.model_fixtures import components_dir, default_model_dir  # noqa: F401  (fixture)
+from tests.model_fixtures import default_model_dir, real_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +35,7 @@ PROMPT = "Write one sentence about the sea."
 
 @pytest.fixture(scope="module")
 def real(default_model_dir: Path, pytestconfig: pytest.Config) -> tuple[EngineConfig, Any, Any]:  # noqa: F811
-    config = with_overrides(
-        EngineConfig(),
-        model={"path": str(default_model_dir), "dtype": "float32", "device": "cpu"},
-        kv={"num_pages": 128},
-        sandbox={"cache_dir": components_dir(pytestconfig)},
-    )
-    driver, tokenizer = build_torch_driver(config)
-    return config, driver, tokenizer
+    return real_model(default_model_dir, pytestconfig, num_pages=128)
 
 
 @pytest.fixture(scope="module")
