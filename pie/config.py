@@ -6,6 +6,7 @@ Every key has a default, so no file is needed for the default model. Unknown key
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -18,6 +19,12 @@ from attrs import field, frozen
 from cattrs.v import format_exception
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models, compiled components and built inferlets are kept:
+    `$PIE_CACHE_DIR`, else ~/.cache/pie."""
+    return Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie")
 
 
 def _choice(*allowed: str) -> Any:

@@ -24,9 +24,8 @@ from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
 from pie.actors.scheduler.actor import SchedulerActor
 from pie.actors.speculator import Lanes, SpeculationStatistics, SpeculatorCore
-from pie.config import EngineConfig, NetworkConfig, SandboxConfig
+from pie.config import EngineConfig, NetworkConfig, SandboxConfig, default_cache_dir
 from pie.drivers.base import Driver, DriverInfo
-from pie.drivers.loader.resolve import default_cache_dir
 from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
 from pie.net.fetch import Fetcher, Limits

@@ -15,7 +15,7 @@ import trio
 from pie.build import cached_build
 from pie.client import Client
 from pie.client.local import LocalServer, mean_batch_between
-from pie.drivers.loader.resolve import default_cache_dir
+from pie.config import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_COMPLETION = REPO / "sdk" / "examples" / "text-completion"

@@ -7,7 +7,11 @@ import inspect
 import pytest
 import trio.testing
 
-from tests.model_fixtures import default_model_dir, real, tokenizer  # noqa: F401  (fixtures for every module)
+from tests.model_fixtures import (  # noqa: F401  (fixtures for every module)
+    default_model_dir,
+    real,
+    tokenizer,
+)
 
 
 @pytest.hookimpl(tryfirst=True)

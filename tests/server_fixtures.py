@@ -18,9 +18,9 @@ from pie.drivers.synthetic import SyntheticDriver
 from pie.drivers.tokenizer import Tokenizer
 from pie.engine import open_engine
 from pie.events import inferlet as ev
-from pie.server import messages as msg
 from pie.server.app import Server
-from pie.server.protocol import decode_server_frame, encode_frame
+from pie.wire import messages as msg
+from pie.wire.frames import decode_server_frame, encode_frame
 
 PYTEST_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "d"
 """Where `pytestconfig.cache.mkdir(name)` puts its folders."""

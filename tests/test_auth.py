@@ -12,14 +12,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
-from pie.server.auth import (
-    AuthError,
-    UserStore,
-    default_users_dir,
-    new_nonce,
-    sign_nonce,
-)
-from pie.server.auth_cli import add_auth_parser, run_auth
+from pie.cli.auth import run_auth
+from pie.cli.parser import add_auth_parser
+from pie.server.auth import UserStore, default_users_dir
+from pie.wire.challenge import AuthError, new_nonce, sign_nonce
 
 # ssh-keygen -lf prints this for the Ed25519 key whose seed is 32 zero bytes.
 ZERO_SEED_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDtqJ7zOtqQtYqOo0CpvDXNlMhV3HeJDpjrASKGLWdop"

@@ -12,7 +12,7 @@ import pytest
 import wasmtime
 from wasmtime.component import Component
 
-from pie import build
+from pie.build import component
 from pie.build import BuildError, build_inferlet
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
@@ -28,7 +28,7 @@ def no_compiler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         def refuse(*args: object, **kwargs: object) -> None:
             raise AssertionError("componentize-py was started")
 
-        monkeypatch.setattr(build, "_componentize", refuse)
+        monkeypatch.setattr(component, "_componentize", refuse)
 
 
 def inferlet(tmp_path: Path, files: dict[str, str]) -> Path:

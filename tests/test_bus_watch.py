@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import trio
 
+from pie.cli import client as client_cli
 from pie.client import (
     PieError,
     ServerError,
@@ -23,12 +24,11 @@ from pie.client import (
     WatchOverflowed,
     connect,
 )
-from pie.client import cli as client_cli
 from pie.events import inferlet as ev
-from pie.server import messages as msg
 from pie.server.app import Server
 from pie.server.auth import UserStore
 from pie.server.bus import MAX_MESSAGE_BYTES, MAX_NAME_BYTES
+from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)

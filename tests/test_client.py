@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import trio
 
-from pie.cli import add_client_parsers
+from pie.cli import client as client_cli
+from pie.cli.parser import add_client_parsers
 from pie.client import (
     CannotConnect,
     ConnectionLost,
@@ -34,7 +35,6 @@ from pie.client import (
     SyncClient,
     connect,
 )
-from pie.client import cli as client_cli
 from pie.server.app import Server
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)

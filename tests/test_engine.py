@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from pie.actors.generate import generate
 from pie.actors.kv import KvCore
 from pie.actors.requester import Requester, RequestRefused
 from pie.actors.runtime import MailboxOverrun, Router
@@ -30,7 +31,6 @@ from pie.events.sampling import (
     SlotOutput,
     TokenOutput,
 )
-from pie.generate import generate
 
 GREEDY = (SamplingSlot(index=0, op=Argmax()),)
 
@@ -349,7 +349,7 @@ async def test_a_chunked_prompt_refused_in_a_later_chunk_fails_once_and_rolls_ba
 async def test_an_event_that_cannot_be_delivered_is_not_logged() -> None:
     log = EventLog()
     router = Router(log)
-    router.register("small", capacity=1)
+    router.register("small", kv.Done, capacity=1)
     assert router.send_nowait("a", "small", kv.Done(corr=1))
     with pytest.raises(MailboxOverrun):
         router.send_nowait("a", "small", kv.Done(corr=2))

@@ -10,11 +10,11 @@ import pytest
 import torch
 import trio
 
+from pie.actors.generate import generate
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.factory import build_torch_driver
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
-from pie.generate import generate
 from tests.test_models import TINY_CASES, save_tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -11,11 +11,11 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from pie.actors.generate import generate, prompt_ids
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.factory import build_torch_driver
 from pie.engine import open_engine
 from pie.events.sampling import Argmax, Distribution, SamplingSlot, TopP
-from pie.generate import generate, prompt_ids
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow

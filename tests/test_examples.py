@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import trio
 
+from pie.actors.generate import generate, prompt_ids
 from pie.config import EngineConfig
 from pie.engine import open_engine
 from pie.events.inferlet import InferletOutput
 from pie.events.sampling import Argmax
-from pie.generate import generate, prompt_ids
 from tests.inferlet_fixtures import EXAMPLES, GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)

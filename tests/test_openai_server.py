@@ -14,10 +14,10 @@ import openai
 import pytest
 import trio
 
+from pie.actors.generate import generate, prompt_ids
 from pie.config import HttpConfig
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
-from pie.generate import generate, prompt_ids
 from pie.server.http import HttpFront
 from pie.server.mounts import OPENAI_PREFIX, OPENAI_SERVER, Mounts
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)

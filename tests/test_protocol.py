@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pie.events import inferlet as ev
-from pie.server import messages as m
-from pie.server.protocol import (
+from pie.wire import messages as m
+from pie.wire.frames import (
     FrameError,
     decode_client_frame,
     decode_server_frame,

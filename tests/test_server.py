@@ -16,7 +16,7 @@ from trio_websocket import ConnectionClosed
 
 from pie.config import EngineConfig, with_overrides
 from pie.events import inferlet as ev
-from pie.server import messages as msg
+from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)

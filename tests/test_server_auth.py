@@ -15,11 +15,12 @@ from trio_websocket import ConnectionClosed
 
 from pie.config import ServerConfig
 from pie.events import inferlet as ev
-from pie.server import messages as msg
 from pie.server.app import auth_required
-from pie.server.auth import UserStore, sign_nonce
+from pie.server.auth import UserStore
 from pie.server.hub import Hub, Refused
 from pie.server.uploads import Uploads, check_hash
+from pie.wire import messages as msg
+from pie.wire.challenge import sign_nonce
 from tests.server_fixtures import Raw, connect, serving
 
 

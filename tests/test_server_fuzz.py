@@ -26,8 +26,8 @@ from wsproto.events import AcceptConnection, Request, TextMessage
 from wsproto.events import Message as WsMessage
 
 from pie.events import inferlet as ev
-from pie.server import messages as msg
-from pie.server.protocol import decode_server_frame, encode_frame
+from pie.wire import messages as msg
+from pie.wire.frames import decode_server_frame, encode_frame
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)

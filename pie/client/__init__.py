@@ -26,7 +26,7 @@ from pie.events.inferlet import (
     InferletTerminated,
     SessionMessage,
 )
-from pie.server.messages import EngineStatus, InferletSummary, WatchedMessage, Welcome
+from pie.wire.messages import EngineStatus, InferletSummary, WatchedMessage, Welcome
 
 __all__ = [
     "DEFAULT_URL",

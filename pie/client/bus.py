@@ -9,7 +9,7 @@ from typing import Any
 import trio
 
 from pie.client.errors import PieError, WatchOverflowed
-from pie.server.messages import WatchedMessage
+from pie.wire.messages import WatchedMessage
 
 WATCH_BUFFER = 65536
 """Messages one watch keeps unread before the client stops it (`WatchOverflowed`)."""

@@ -28,8 +28,8 @@ from pie.client.errors import (
     server_error,
 )
 from pie.client.inferlet import FINAL_EVENTS, ProgramInfo, RemoteInferlet, Subscription
-from pie.server import messages as msg
-from pie.server.protocol import DEFAULT_MAX_FRAME, FrameError, decode_server_frame, encode_frame
+from pie.wire import messages as msg
+from pie.wire.frames import DEFAULT_MAX_FRAME, FrameError, decode_server_frame, encode_frame
 
 DEFAULT_URL = "ws://127.0.0.1:8080"
 CHUNK_SIZE = 1 << 20
@@ -348,7 +348,7 @@ def _why(exc: ConnectionClosed) -> str:
 
 
 def _sign(key: Path, nonce: str, password: str | None) -> str:
-    from pie.server.auth import AuthError, sign_nonce
+    from pie.wire.challenge import AuthError, sign_nonce
 
     try:
         return sign_nonce(key, nonce, password)

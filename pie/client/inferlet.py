@@ -12,7 +12,7 @@ import trio
 from pie.client.errors import PieError
 from pie.events import inferlet as ev
 from pie.events.inferlet import InferletOutcome, outcome_of
-from pie.server import messages as msg
+from pie.wire import messages as msg
 
 if TYPE_CHECKING:
     from pie.client.connection import Client

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from pie.server.messages import EngineStatus
+from pie.wire.messages import EngineStatus
 
 _SERVING = re.compile(r"pie: serving (?P<model>.+) on (?P<url>ws://\S+)")
 

@@ -17,7 +17,7 @@ from pie.client.bus import Watch
 from pie.client.connection import CHUNK_SIZE, DEFAULT_URL, Client, connect
 from pie.client.errors import ConnectionLost
 from pie.client.inferlet import Outcome, ProgramInfo, RemoteInferlet
-from pie.server import messages as msg
+from pie.wire import messages as msg
 
 T = TypeVar("T")
 

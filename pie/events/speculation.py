@@ -15,6 +15,10 @@ from attrs import frozen
 from pie.events.sampling import SlotOp, SlotOutput
 
 
+class LaneBusy(Exception):
+    """The context already has a pass on the fast path that its program has not received."""
+
+
 @frozen(kw_only=True)
 class Lease:
     lease: int

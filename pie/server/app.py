@@ -18,10 +18,10 @@ from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import ServerConfig
 from pie.events import inferlet as inf_ev
 from pie.sandbox import InvalidProgram
-from pie.server import messages as msg
 from pie.server.hub import Hub, Refused
 from pie.server.session import Session
 from pie.server.uploads import Upload, check_hash
+from pie.wire import messages as msg
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -174,7 +174,7 @@ class Server:
         )
 
     def new_nonce(self) -> str:
-        from pie.server.auth import new_nonce
+        from pie.wire.challenge import new_nonce
 
         return new_nonce()
 

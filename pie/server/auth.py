@@ -1,6 +1,6 @@
-"""Users of the WebSocket server and how they prove who they are: hashed tokens and public keys
-kept one JSON file per user, challenge signing and checking. See docs/auth.md.
-"""
+"""Users of the WebSocket server: hashed tokens and public keys kept one JSON file per user, and
+the checks of what a connecting client offers (the challenge format is in pie/wire). See
+docs/auth.md."""
 
 from __future__ import annotations
 
@@ -16,22 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+
+from pie.wire.challenge import AuthError, checked_public_key, verify_signature
 
 _NAME_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_MIN_RSA_BITS = 2048
-_EC_CURVES = (ec.SECP256R1, ec.SECP384R1, ec.SECP521R1)
 # Compared against when a user has no token, so a miss costs about as much as a wrong token.
 _NO_TOKEN = "0" * 64
-
-PublicKey = ed25519.Ed25519PublicKey | rsa.RSAPublicKey | ec.EllipticCurvePublicKey
-
-
-class AuthError(ValueError):
-    """A user, key or users directory that cannot be used; the message says why."""
 
 
 @frozen(kw_only=True)
@@ -50,11 +43,6 @@ def default_users_dir() -> Path:
     return root / "users"
 
 
-def new_nonce() -> str:
-    """A fresh challenge for `RequestChallenge`."""
-    return secrets.token_urlsafe(32)
-
-
 def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -63,23 +51,6 @@ def _check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise AuthError(f"bad user name {name!r}: use {_NAME_RULE}")
     return name
-
-
-# -- public keys --------------------------------------------------------------------------------
-
-
-def _checked_public(key: object) -> PublicKey:
-    if isinstance(key, ed25519.Ed25519PublicKey):
-        return key
-    if isinstance(key, rsa.RSAPublicKey):
-        if key.key_size < _MIN_RSA_BITS:
-            raise AuthError(f"RSA key of {key.key_size} bits: at least {_MIN_RSA_BITS} needed")
-        return key
-    if isinstance(key, ec.EllipticCurvePublicKey):
-        if not isinstance(key.curve, _EC_CURVES):
-            raise AuthError(f"ECDSA curve {key.curve.name} unsupported: use P-256, P-384 or P-521")
-        return key
-    raise AuthError(f"unsupported key type {type(key).__name__}: use Ed25519, RSA or ECDSA")
 
 
 def parse_public_key(text: str) -> str:
@@ -92,7 +63,7 @@ def parse_public_key(text: str) -> str:
             key = serialization.load_ssh_public_key(data)
     except (ValueError, UnsupportedAlgorithm) as exc:
         raise AuthError(f"not a usable public key: {exc}") from exc
-    public = _checked_public(key)
+    public = checked_public_key(key)
     line = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     return line.decode()
 
@@ -106,59 +77,6 @@ def fingerprint(key_line: str) -> str:
         raise AuthError(f"malformed OpenSSH public key line {key_line!r}") from exc
     digest = base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
     return f"{kind} SHA256:{digest}"
-
-
-def _verify(key_line: str, data: bytes, signature: bytes) -> bool:
-    try:
-        key = _checked_public(serialization.load_ssh_public_key(key_line.encode()))
-        if isinstance(key, ed25519.Ed25519PublicKey):
-            key.verify(signature, data)
-        elif isinstance(key, rsa.RSAPublicKey):
-            key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
-        else:
-            key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
-    except (InvalidSignature, ValueError, UnsupportedAlgorithm):
-        return False
-    return True
-
-
-# -- the client's side of a challenge -----------------------------------------------------------
-
-
-def _load_private(data: bytes, password: bytes | None) -> object:
-    if b"BEGIN OPENSSH PRIVATE KEY" in data:
-        return serialization.load_ssh_private_key(data, password)
-    return serialization.load_pem_private_key(data, password)
-
-
-def sign_nonce(private_key_path: Path, nonce: str, password: str | None = None) -> str:
-    """The base64 signature of `nonce` that `UserStore.verify_signature` accepts."""
-    path = Path(private_key_path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise AuthError(f"cannot read private key {path}: {exc.strerror or exc}") from exc
-    secret = password.encode() if password is not None else None
-    try:
-        key = _load_private(data, secret)
-    except TypeError as exc:
-        raise AuthError(f"private key {path} is encrypted: give its password") from exc
-    except UnsupportedAlgorithm as exc:
-        # Encrypted OpenSSH keys need bcrypt's KDF, which is not installed.
-        raise AuthError(f"cannot load private key {path}: {exc}") from exc
-    except ValueError as exc:
-        raise AuthError(f"cannot load private key {path}: {exc}") from exc
-    return base64.b64encode(_sign(key, nonce.encode(), path)).decode()
-
-
-def _sign(key: object, data: bytes, path: Path) -> bytes:
-    if isinstance(key, ed25519.Ed25519PrivateKey):
-        return key.sign(data)
-    if isinstance(key, rsa.RSAPrivateKey):
-        return key.sign(data, padding.PKCS1v15(), hashes.SHA256())
-    if isinstance(key, ec.EllipticCurvePrivateKey):
-        return key.sign(data, ec.ECDSA(hashes.SHA256()))
-    raise AuthError(f"private key {path} is {type(key).__name__}: use Ed25519, RSA or ECDSA")
 
 
 # -- the store ----------------------------------------------------------------------------------
@@ -277,4 +195,4 @@ class UserStore:
             signature = base64.b64decode(signature_b64, validate=True)
         except (AttributeError, TypeError, ValueError):
             return False
-        return any(_verify(line, data, signature) for line in record["public_keys"])
+        return any(verify_signature(line, data, signature) for line in record["public_keys"])

@@ -14,8 +14,8 @@ from attrs import define
 
 from pie.actors.requester import Requester
 from pie.events.bus import TopicMessage
-from pie.server import messages as msg
 from pie.server.hub import Refused
+from pie.wire import messages as msg
 
 if TYPE_CHECKING:
     from pie.engine import Engine

@@ -9,7 +9,7 @@ from typing import Any
 from attrs import define, field
 
 from pie.events import inferlet as ev
-from pie.server.messages import InferletEvent, InferletSummary
+from pie.wire.messages import InferletEvent, InferletSummary
 
 Delivery = tuple[int, InferletEvent]
 """(connection id, the message for it)."""

@@ -1,9 +1,9 @@
-"""`pie serve`: the engine on the configured model behind the WebSocket server, until SIGINT or
-SIGTERM (the first stops gracefully, a second at once)."""
+"""The serving process: the engine on the configured model behind the WebSocket server (and the
+HTTP front when configured), until SIGINT or SIGTERM (the first stops gracefully, a second at
+once)."""
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -74,39 +74,3 @@ async def _on_signals(
             file=sys.stderr,
         )
         nursery.start_soon(server.stop)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from pie.cli import engine_config
-    from pie.config import with_overrides
-
-    config = engine_config(args)
-    mounts = dict(config.http.mounts)
-    for mount in args.mount:
-        prefix, sep, program = mount.partition("=")
-        if not sep:
-            raise ValueError(f"--mount wants PREFIX=PROGRAM, got {mount!r}")
-        mounts[prefix] = program
-    config = with_overrides(
-        config,
-        server={"host": args.host, "port": args.port, "auth": args.auth},
-        http={"port": args.http, "mounts": mounts, "openai": args.openai or None},
-    )
-    if config.http.port < 0 and (config.http.mounts or config.http.openai):
-        raise ValueError("--mount and --openai serve over HTTP: give --http PORT too")
-
-    def announce(server: Server) -> None:
-        auth = "on" if server.auth_required else "off"
-        print(
-            f"pie: serving {server.engine.info.model_name} on {server.url} (auth {auth})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def announce_http(front: HttpFront) -> None:
-        for prefix, program in sorted(front.mounts.programs.items()):
-            print(f"pie: {front.url}{prefix} serves {program[:16]}", file=sys.stderr)
-
-    trio.run(serve, config, announce, announce_http)
-    print("pie: stopped", file=sys.stderr)
-    return 0

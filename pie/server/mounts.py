@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pie.build import SDK, cached_build
-from pie.config import HttpConfig
-from pie.drivers.loader.resolve import default_cache_dir
+from pie.config import HttpConfig, default_cache_dir
 
 if TYPE_CHECKING:
     from pie.engine import Engine

@@ -9,11 +9,11 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from pie.actors.requester import RequestRefused
-from pie.server import messages as msg
 from pie.server.bus import BusAccess
 from pie.server.hub import Refused
-from pie.server.protocol import FrameError, decode_client_frame, encode_frame
 from pie.server.uploads import Uploads
+from pie.wire import messages as msg
+from pie.wire.frames import FrameError, decode_client_frame, encode_frame
 
 if TYPE_CHECKING:
     from pie.server.app import Server

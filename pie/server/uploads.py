@@ -9,7 +9,7 @@ import re
 from attrs import define, field, frozen
 
 from pie.server.hub import Refused
-from pie.server.messages import UploadProgram
+from pie.wire.messages import UploadProgram
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 

@@ -21,10 +21,6 @@ Deliver = Callable[[Any], None]
 """Fills a program's pollable with a ForwardCompleted or a RequestFailed."""
 
 
-class LaneBusy(Exception):
-    """The context already has a pass its program has not received."""
-
-
 @define(eq=False)
 class LanePass:
     lane: Lane

@@ -34,13 +34,18 @@ from pie.actors.speculator.lane import (
     RUNNING,
     Deliver,
     Lane,
-    LaneBusy,
     LanePass,
 )
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
 from pie.events.sampling import SAMPLERS, SamplingSlot, SlotOp, SlotOutput, TokenOutput
-from pie.events.speculation import LanePassApplied, Lease, LeaseReleased, SpeculationTally
+from pie.events.speculation import (
+    LaneBusy,
+    LanePassApplied,
+    Lease,
+    LeaseReleased,
+    SpeculationTally,
+)
 
 Post = Callable[[list[tuple[str, Any]]], None]
 """Hands (destination, event) pairs to the Trio thread, in order, without waiting."""

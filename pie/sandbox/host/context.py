@@ -6,8 +6,8 @@ from typing import Any
 
 from wasmtime.component import LinkerInstance
 
-from pie.actors.speculator.lanes import LaneBusy
 from pie.events import kv as ev
+from pie.events.speculation import LaneBusy
 from pie.sandbox.host.model import model_view
 from pie.sandbox.host.state import HostFailure, current, host_call
 from pie.sandbox.wasm import add_host_func, record

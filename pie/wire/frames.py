@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from pie.events import codec
-from pie.server.messages import CLIENT_MESSAGES, SERVER_MESSAGES, StreamedEvent
+from pie.wire.messages import CLIENT_MESSAGES, SERVER_MESSAGES, StreamedEvent
 
 codec.register_tagged_union(StreamedEvent)
 

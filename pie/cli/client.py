@@ -32,7 +32,7 @@ def _program_bytes(path: Path) -> bytes:
     if not path.is_dir():
         return path.read_bytes()
     from pie.build import cached_build
-    from pie.drivers.loader.resolve import default_cache_dir
+    from pie.config import default_cache_dir
 
     _note(f"building {path} (cached after the first time)")
     return cached_build(path.resolve(), default_cache_dir() / "inferlets").read_bytes()

@@ -16,8 +16,7 @@ import psutil
 import trio
 
 from pie.build import SDK, cached_build
-from pie.config import EngineConfig, with_overrides
-from pie.drivers.loader.resolve import default_cache_dir
+from pie.config import EngineConfig, default_cache_dir, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 

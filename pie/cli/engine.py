@@ -1,22 +1,20 @@
-"""The bodies of `pie generate`, `pie build`, `pie run`, `pie log` and `pie replay`."""
+"""The bodies of `pie generate`, `pie build` and `pie run`: the engine in this process."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from pie.events import codec
+from pie.cli.options import engine_config
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pie.cli import engine_config
+    from pie.actors.generate import generate, make_sampler, prompt_ids
     from pie.engine import open_engine
-    from pie.generate import generate, make_sampler, prompt_ids
 
     config = engine_config(args)
     sampler = make_sampler(args.temperature, top_p=args.top_p, seed=args.seed)
@@ -63,7 +61,6 @@ def run_build(args: argparse.Namespace) -> int:
 def run_program(args: argparse.Namespace) -> int:
     """Runs one inferlet on an in-process engine: its result alone goes to stdout; its own
     output, session messages and failures go to stderr."""
-    from pie.cli import engine_config
     from pie.engine import open_engine
 
     config = engine_config(args)
@@ -91,58 +88,3 @@ def _show_event(event: Any) -> None:
         body = event.text if event.text is not None else f"<{len(event.data or b'')} bytes>"
         print(f"[session] {body}", file=sys.stderr)
     sys.stderr.flush()
-
-
-def run_log(args: argparse.Namespace) -> int:
-    from pie.eventlog import read_log
-
-    shown = 0
-    for env in read_log(args.file):
-        if args.actor and args.actor not in (env.src, env.dst):
-            continue
-        if args.corr is not None and env.corr != args.corr:
-            continue
-        corr = "-" if env.corr is None else str(env.corr)
-        print(
-            f"{env.seq:>7} {env.time:.6f} {env.src:>12} -> {env.dst:<12} {corr:>6}  "
-            f"{_describe(env.event)}"
-        )
-        shown += 1
-        if args.limit and shown >= args.limit:
-            break
-    return 0
-
-
-def _describe(event: Any) -> str:
-    data = codec.encode(event)
-    name = data.pop(codec.TAG)
-    data.pop("corr", None)
-    text = json.dumps(data, separators=(",", ":"))
-    return f"{name} {text if len(text) <= 160 else text[:157] + '...'}"
-
-
-def run_replay(args: argparse.Namespace) -> int:
-    from pie.actors.kv import KvCore
-    from pie.eventlog import read_log
-    from pie.eventlog.replay import replay
-    from pie.events.batching import EngineStarted
-
-    envelopes = list(read_log(args.file))
-    started = next((e.event for e in envelopes if isinstance(e.event, EngineStarted)), None)
-    if started is None:
-        print("pie: the log has no EngineStarted record", file=sys.stderr)
-        return 2
-    core = KvCore(
-        num_pages=started.num_pages, page_size=started.page_size, vocab_size=started.vocab_size
-    )
-    result = replay(envelopes, args.actor, core)
-    stats = core.statistics()
-    print(
-        f"replayed {result.inputs} inputs to {args.actor!r}: {result.outputs} outputs, "
-        f"{len(result.mismatches)} mismatches; "
-        f"final pages free {stats.pages_free}/{stats.pages_total}, "
-        f"contexts {stats.contexts}, snapshots {stats.snapshots}"
-    )
-    for line in result.mismatches[:20]:
-        print(f"  {line}")
-    return 0 if result.exact else 1

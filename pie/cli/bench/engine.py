@@ -12,9 +12,9 @@ from typing import Any
 
 import trio
 
+from pie.actors.generate import generate
 from pie.engine import Engine, open_engine
 from pie.events.sampling import Argmax
-from pie.generate import generate
 
 _TEXT = (
     "The history of computing is a story of people who wanted machines to do arithmetic for "
@@ -102,7 +102,7 @@ def _hf_figures(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from pie.cli import engine_config
+    from pie.cli.options import engine_config
 
     config = engine_config(args)
     figures: dict[str, Any] = {}

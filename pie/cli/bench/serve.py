@@ -135,7 +135,7 @@ async def _measure_row(
 
 
 async def _measure(url: str, args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
-    from pie.bench_inferlets import TEXT_COMPLETION, cached_component
+    from pie.cli.bench.inferlets import TEXT_COMPLETION, cached_component
 
     wasm = await trio.to_thread.run_sync(cached_component, TEXT_COMPLETION)
     async with connect(url) as client:

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from pie.bench_inferlets import (
+from pie.cli.bench.inferlets import (
     TEXT_COMPLETION,
     cached_component,
     component_from_source,
@@ -121,7 +121,7 @@ def _driver(args: argparse.Namespace, vocab_size: int) -> Driver:
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pie.cli import engine_config
+    from pie.cli.options import engine_config
     from pie.drivers.loader import resolve_model
     from pie.drivers.tokenizer import Tokenizer
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import trio
 
-from pie.bench_inferlets import cached_component, component_from_source
+from pie.cli.bench.inferlets import cached_component, component_from_source
 from pie.config import HttpConfig, with_overrides
 from pie.engine import Engine, open_engine
 from pie.server.http import HttpFront
@@ -172,7 +172,7 @@ async def _measure(engine: Engine, args: Any) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from pie.cli import engine_config
+    from pie.cli.options import engine_config
 
     config = with_overrides(
         engine_config(args),

@@ -11,36 +11,10 @@ if TYPE_CHECKING:
     from pie.server.auth import UserStore
 
 
-def add_auth_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Registers `auth` with its subcommands on a `pie` subparsers object."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--users-dir",
-        metavar="DIR",
-        default=None,
-        help="where users live (default: $PIE_CONFIG_DIR/users or ~/.config/pie/users)",
-    )
-    auth = subparsers.add_parser("auth", help="manage the users of `pie serve`")
-    commands = auth.add_subparsers(dest="auth_command", required=True, metavar="ACTION")
-
-    add = commands.add_parser(
-        "add", parents=[common], help="create a user or give it a new token or key"
-    )
-    add.add_argument("user")
-    add.add_argument("--key", metavar="PATH", default=None, help="a public key file to accept")
-    add.add_argument("--no-token", action="store_true", help="do not make a new token")
-
-    remove = commands.add_parser("remove", parents=[common], help="delete a user")
-    remove.add_argument("user")
-    remove.set_defaults(key=None, no_token=False)
-
-    listing = commands.add_parser("list", parents=[common], help="show users and their keys")
-    listing.set_defaults(user=None, key=None, no_token=False)
-
-
 def run_auth(args: argparse.Namespace) -> int:
     """Runs one `pie auth` action; 0 on success, 2 with a message on stderr otherwise."""
-    from pie.server.auth import AuthError, UserStore, default_users_dir
+    from pie.server.auth import UserStore, default_users_dir
+    from pie.wire.challenge import AuthError
 
     store = UserStore(Path(args.users_dir) if args.users_dir else default_users_dir())
     try:
@@ -60,7 +34,7 @@ def run_auth(args: argparse.Namespace) -> int:
 
 
 def _read_key(key_path: str) -> str:
-    from pie.server.auth import AuthError
+    from pie.wire.challenge import AuthError
 
     try:
         return Path(key_path).read_text()

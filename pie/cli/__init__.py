@@ -1,0 +1,56 @@
+"""`pie`: serve | generate | build | run | submit | list | attach | stop | status | watch |
+publish | push | auth | log | replay | bench. Results go to stdout; progress and logs to stderr.
+The only entry point into this package is `main`; nothing else in pie imports it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from pie.cli.parser import build_parser
+
+RUNNERS = {
+    "serve": "pie.cli.serve:run_serve",
+    "submit": "pie.cli.client:run_submit",
+    "list": "pie.cli.client:run_list",
+    "attach": "pie.cli.client:run_attach",
+    "stop": "pie.cli.client:run_stop",
+    "status": "pie.cli.client:run_status",
+    "watch": "pie.cli.client:run_watch",
+    "publish": "pie.cli.client:run_publish",
+    "push": "pie.cli.client:run_push",
+    "auth": "pie.cli.auth:run_auth",
+    "generate": "pie.cli.engine:run_generate",
+    "build": "pie.cli.engine:run_build",
+    "run": "pie.cli.engine:run_program",
+    "log": "pie.cli.log:run_log",
+    "replay": "pie.cli.log:run_replay",
+    "bench": "pie.cli.bench.engine:run_bench",
+    "bench serve": "pie.cli.bench.serve:run_bench_serve",
+    "bench inferlets": "pie.cli.bench.inferlets:run_bench_inferlets",
+    "bench tax": "pie.cli.bench.tax:run_bench_tax",
+    "bench agents": "pie.cli.bench.agents:run_bench_agents",
+}
+"""Each command's function, imported only when that command runs."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pie.config import ConfigError
+
+    try:
+        return _runner(args)(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"pie: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
+    suite = getattr(args, "suite", None) if args.command == "bench" else None
+    module, _, name = RUNNERS[f"bench {suite}" if suite else args.command].partition(":")
+    runner: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
+    return runner

@@ -1,0 +1,39 @@
+"""Options that several commands share (engine, server connection) and the engine config they
+select."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pie.config import EngineConfig
+
+DEFAULT_SERVER_URL = "ws://127.0.0.1:8080"
+"""Where `pie serve` listens by default ([server] host and port)."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="engine config file (TOML)")
+    parser.add_argument("--model", help="HF model directory, .gguf file, or smollm2-135m")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+
+
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    server = os.environ.get("PIE_SERVER", DEFAULT_SERVER_URL)
+    parser.add_argument("--server", default=server, help=f"WebSocket URL (default: {server})")
+    parser.add_argument("--user", default=os.environ.get("PIE_USER"), help="authenticate as")
+    parser.add_argument("--token", default=os.environ.get("PIE_TOKEN"), help="a user's token")
+    parser.add_argument("--key", help="sign the server's challenge with this private key")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The config file named by --config (or the defaults) with --model, --dtype and --device."""
+    from pie.config import load_config, with_overrides
+
+    config = load_config(args.config)
+    return with_overrides(
+        config, model={"path": args.model, "dtype": args.dtype, "device": args.device}
+    )

@@ -1,0 +1,47 @@
+"""The body of `pie serve`: the config from the command line, then the server until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import trio
+
+from pie.cli.options import engine_config
+from pie.config import with_overrides
+from pie.server.app import Server
+from pie.server.http import HttpFront
+from pie.server.main import serve
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = engine_config(args)
+    mounts = dict(config.http.mounts)
+    for mount in args.mount:
+        prefix, sep, program = mount.partition("=")
+        if not sep:
+            raise ValueError(f"--mount wants PREFIX=PROGRAM, got {mount!r}")
+        mounts[prefix] = program
+    config = with_overrides(
+        config,
+        server={"host": args.host, "port": args.port, "auth": args.auth},
+        http={"port": args.http, "mounts": mounts, "openai": args.openai or None},
+    )
+    if config.http.port < 0 and (config.http.mounts or config.http.openai):
+        raise ValueError("--mount and --openai serve over HTTP: give --http PORT too")
+
+    def announce(server: Server) -> None:
+        auth = "on" if server.auth_required else "off"
+        print(
+            f"pie: serving {server.engine.info.model_name} on {server.url} (auth {auth})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def announce_http(front: HttpFront) -> None:
+        for prefix, program in sorted(front.mounts.programs.items()):
+            print(f"pie: {front.url}{prefix} serves {program[:16]}", file=sys.stderr)
+
+    trio.run(serve, config, announce, announce_http)
+    print("pie: stopped", file=sys.stderr)
+    return 0
