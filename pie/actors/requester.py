@@ -79,7 +79,7 @@ class Requester:
         self.router = router
         self.address = address
         self._corr = corr_ids
-        self._inbox = router.register(address, capacity=65536)
+        self._inbox = router.register(address, REPLIES, capacity=65536)
         self._waiting: dict[int, _Reply] = {}
         self._topics: dict[int, Callable[[bus_ev.TopicMessage], None]] = {}
         self._runs: dict[str, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
@@ -253,6 +253,20 @@ _LIFECYCLE = (
     inf_ev.InferletFailed,
     inf_ev.InferletTerminated,
 )
+
+REPLIES = (
+    ForwardCompleted,
+    kv_ev.Done,
+    kv_ev.RequestFailed,
+    kv_ev.ContextCreated,
+    kv_ev.ContextInfo,
+    bus_ev.Pulled,
+    bus_ev.TopicMessage,
+    inf_ev.InferletLaunched,
+    _LIFECYCLE,
+)
+"""What a requester's mailbox takes: the answers of the kv, bus and inferlet actors (and of the
+inference actor, for passes) and the lifecycle of the inferlets it launched."""
 
 
 def _is_lifecycle(event: Any) -> bool:

@@ -1,10 +1,12 @@
-"""The actor runtime: addressed bounded mailboxes, a router that logs every delivery, and
-the Actor base class every shell builds on."""
+"""The actor runtime: addressed bounded mailboxes, each accepting one closed union of event
+types, a router that logs every delivery, and the Actor base class every shell builds on."""
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import trio
 from attrs import define, frozen
@@ -20,6 +22,27 @@ class UnknownAddress(LookupError):
     """No actor or requester is registered under this address."""
 
 
+class UnexpectedEvent(TypeError):
+    """An event sent to a mailbox that does not accept its type: a bug in the sender."""
+
+
+Accepts: TypeAlias = type | types.UnionType | tuple[Any, ...]
+"""What a mailbox accepts: an event class, a union of them (`A | B`), or a tuple nesting both."""
+
+
+def event_types(accepts: Accepts) -> tuple[type, ...]:
+    """`accepts` as one flat tuple of classes, so that checking an event is one `isinstance`."""
+    if isinstance(accepts, type):
+        return (accepts,)
+    if isinstance(accepts, tuple):
+        members: tuple[Any, ...] = accepts
+    elif typing.get_origin(accepts) in (typing.Union, types.UnionType):
+        members = typing.get_args(accepts)
+    else:
+        raise TypeError(f"not an event class or a union of them: {accepts!r}")
+    return tuple(dict.fromkeys(cls for member in members for cls in event_types(member)))
+
+
 @frozen(kw_only=True)
 class MailboxStatistics:
     address: str
@@ -33,33 +56,50 @@ class _Mailbox:
     send: trio.MemorySendChannel[Any]
     receive: trio.MemoryReceiveChannel[Any]
     capacity: int
+    accepts: tuple[type, ...]
     delivered: int = 0
     handler: Callable[[Any], None] | None = None
     """Set for addresses that take deliveries synchronously instead of through the channel."""
 
 
 class Router:
-    """Delivers events between addresses. Every delivery is appended to the event log."""
+    """Delivers events between addresses. Every delivery is appended to the event log.
+
+    Each mailbox accepts one closed union of event types; `send` and `send_nowait` raise
+    `UnexpectedEvent` at the sender for any other, before anything is logged or delivered.
+    """
 
     def __init__(self, log: EventLog | None = None) -> None:
         self._boxes: dict[str, _Mailbox] = {}
         self.log = log
 
-    def register(self, address: str, capacity: int = 1024) -> trio.MemoryReceiveChannel[Any]:
+    def register(
+        self, address: str, accepts: Accepts, capacity: int = 1024
+    ) -> trio.MemoryReceiveChannel[Any]:
+        """A mailbox at `address` taking only events of the types in `accepts`."""
         if address in self._boxes:
             raise ValueError(f"address {address!r} is already registered")
+        classes = event_types(accepts)
+        if not classes:
+            raise ValueError(f"the mailbox at {address!r} accepts no event type")
         send, receive = trio.open_memory_channel[Any](capacity)
-        self._boxes[address] = _Mailbox(send, receive, capacity)
+        self._boxes[address] = _Mailbox(send, receive, capacity, classes)
         return receive
 
-    def register_handler(self, address: str, handler: Callable[[Any], None]) -> None:
+    def register_handler(
+        self, address: str, accepts: Accepts, handler: Callable[[Any], None]
+    ) -> None:
         """An address whose deliveries call `handler(event)` on the Trio thread at once.
 
         For addresses that only hand events to another thread: it saves a task switch per event.
         `handler` must not block or raise.
         """
-        self.register(address, capacity=1).close()
+        self.register(address, accepts, capacity=1).close()
         self._boxes[address].handler = handler
+
+    def accepts(self, address: str) -> tuple[type, ...]:
+        """The event classes the mailbox at `address` accepts."""
+        return self._box(address).accepts
 
     def unregister(self, address: str) -> None:
         box = self._boxes.pop(address, None)
@@ -72,6 +112,8 @@ class Router:
     async def send(self, src: str, dst: str, event: Any) -> None:
         """Delivers, waiting while the mailbox is full (use for command edges)."""
         box = self._box(dst)
+        if not isinstance(event, box.accepts):
+            raise _unexpected(dst, event, box)
         # A sender cancelled before the hand-off must leave no record, or replay would feed
         # the receiver an event it never saw. Past this check trio's `send` can only be
         # cancelled after the hand-off, unless the mailbox is full and it has to wait.
@@ -88,6 +130,8 @@ class Router:
         box = self._boxes.get(dst)
         if box is None:
             return False
+        if not isinstance(event, box.accepts):
+            raise _unexpected(dst, event, box)
         if box.handler is not None:
             self._record(src, dst, event, box)
             box.handler(event)
@@ -128,17 +172,26 @@ class Router:
             self.log.append(src, dst, event)
 
 
+def _unexpected(dst: str, event: Any, box: _Mailbox) -> UnexpectedEvent:
+    accepted = ", ".join(cls.__name__ for cls in box.accepts)
+    kind = type(event).__name__
+    return UnexpectedEvent(f"the mailbox at {dst!r} does not accept {kind}; it accepts {accepted}")
+
+
 class Actor:
     """An addressed mailbox and a loop that hands each event to `handle`.
 
-    Subclasses implement `handle` (usually: feed the event to a pure core, send its outputs).
-    Start with `await nursery.start(actor.run)`; the loop ends when the mailbox is closed.
+    Subclasses set `accepts`, the closed union of event types their mailbox takes, and implement
+    `handle` (usually: feed the event to a pure core, send its outputs). Start with
+    `await nursery.start(actor.run)`; the loop ends when the mailbox is closed.
     """
+
+    accepts: Accepts
 
     def __init__(self, address: str, router: Router, capacity: int = 1024) -> None:
         self.address = address
         self.router = router
-        self._inbox = router.register(address, capacity)
+        self._inbox = router.register(address, self.accepts, capacity)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.started()
@@ -161,9 +214,11 @@ class Actor:
 
 class CoreActor(Actor):
     """An actor whose whole behaviour is a pure core: `core.handle(event)` returns the
-    (destination, event) pairs to send; `core.statistics()` describes it."""
+    (destination, event) pairs to send; `core.accepts` is what it handles; `core.statistics()`
+    describes it."""
 
     def __init__(self, core: Any, address: str, router: Router, capacity: int = 65536) -> None:
+        self.accepts = core.accepts
         super().__init__(address, router, capacity)
         self.core = core
 

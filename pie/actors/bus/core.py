@@ -25,6 +25,8 @@ class BusStatistics:
 
 
 class BusCore:
+    accepts = ev.BusCommand
+
     def __init__(self, *, max_queue: int = 10_000) -> None:
         self.max_queue = max_queue
         self._queues: dict[str, collections.deque[str]] = {}

@@ -27,6 +27,8 @@ class HttpStatistics:
 
 
 class HttpActor(Actor):
+    accepts = HttpFetch
+
     def __init__(self, fetcher: Fetcher, router: Router, address: str = "http") -> None:
         super().__init__(address, router)
         self.fetcher = fetcher

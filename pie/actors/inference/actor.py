@@ -37,6 +37,8 @@ class InferenceActor(Actor):
     pass produced (outputs to requesters, commits to the kv actor, timings to the scheduler).
     Lane passes never come through here; their events arrive already made, through `route`."""
 
+    accepts = ExecuteBatch
+
     def __init__(
         self,
         driver: Driver,

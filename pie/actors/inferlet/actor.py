@@ -15,11 +15,14 @@ import trio
 from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
 from pie.actors.inferlet.files import FileLayout, InstanceFiles
 from pie.actors.inferlet.programs import Program
+from pie.actors.requester import REPLIES
 from pie.actors.runtime import Actor, MailboxOverrun, Router
 from pie.actors.speculator.lanes import Lanes
 from pie.events import bus as bus_ev
 from pie.events import inferlet as ev
 from pie.events import kv as kv_ev
+from pie.events import mcp as mcp_ev
+from pie.events.http import HttpFetched
 from pie.sandbox import (
     GuestStopped,
     InvalidProgram,
@@ -30,6 +33,17 @@ from pie.sandbox import (
 )
 from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
 from pie.sandbox.wasm import record
+
+PROGRAM_INBOX = (
+    REPLIES,
+    ev.SessionInput,
+    HttpFetched,
+    mcp_ev.McpServerList,
+    mcp_ev.McpToolList,
+    mcp_ev.McpToolCalled,
+)
+"""What a running instance's address takes: a requester's replies, its client's messages and the
+answers of the http and mcp actors."""
 
 
 class TrioBridge:
@@ -59,6 +73,8 @@ class TrioBridge:
 
 
 class InferletActor(Actor):
+    accepts = InferletCore.accepts
+
     def __init__(
         self,
         core: InferletCore,
@@ -139,7 +155,7 @@ class InferletActor(Actor):
             state.response = serving.Response()
         if self.lanes is not None:
             self.lanes.open_requester(instance.address)
-        self.router.register_handler(instance.address, state.deliver)
+        self.router.register_handler(instance.address, PROGRAM_INBOX, state.deliver)
         finished = trio.Event()
         outcome: list[RunOutcome] = []
 

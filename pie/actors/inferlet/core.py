@@ -48,6 +48,19 @@ class Instance:
 
 
 class InferletCore:
+    accepts = (
+        ev.LaunchInferlet,
+        ev.TerminateInferlet,
+        ev.DetachInferlet,
+        ev.SendToInferlet,
+        ev.SessionMessage,
+        ev.InferletOutput,
+        ev.ResponseStarted,
+        ev.ResponseBody,
+        ev.InferletFinished,
+    )
+    """Commands from launchers, what running guests emit, and the shell's record of their ends."""
+
     def __init__(self, programs: ProgramRegistry, *, max_concurrent: int) -> None:
         self.programs = programs
         self.max_concurrent = max_concurrent

@@ -37,6 +37,9 @@ class KvStatistics:
 
 
 class KvCore:
+    accepts = (ev.KvCommand, LanePassApplied, LeaseReleased)
+    """The kv mailbox: context commands, and the commits of passes run on the fast path."""
+
     def __init__(
         self, *, num_pages: int, page_size: int, vocab_size: int, scheduler: str = "scheduler"
     ) -> None:

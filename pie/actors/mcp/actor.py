@@ -58,6 +58,8 @@ class _Counts:
 
 
 class McpActor(Actor):
+    accepts = McpListServers | McpListTools | McpCallTool
+
     def __init__(self, config: McpConfig, router: Router, address: str = "mcp") -> None:
         super().__init__(address, router)
         self.config = config

@@ -13,6 +13,8 @@ from pie.events.batching import PassFinished, ScheduleForward
 
 
 class SchedulerActor(Actor):
+    accepts = ScheduleForward | PassFinished
+
     def __init__(
         self,
         core: SchedulerCore,

@@ -34,6 +34,8 @@ class SpeculationStatistics:
 
 
 class SpeculatorCore:
+    accepts = SpeculationTally
+
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.totals = SpeculationTally()
