@@ -28,7 +28,7 @@ def default_cache_dir() -> Path:
 
 
 def _choice(*allowed: str) -> Any:
-    def check(_: object, attribute: attrs.Attribute, value: str) -> None:
+    def check(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if value not in allowed and not (attribute.name == "device" and value.startswith("cuda:")):
             raise ValueError(f"{attribute.name} must be one of {', '.join(allowed)}, got {value!r}")
 
@@ -36,7 +36,7 @@ def _choice(*allowed: str) -> Any:
 
 
 def _at_least(n: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute, value: int) -> None:
+    def check(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
         if value < n:
             raise ValueError(f"{attribute.name} must be >= {n}, got {value}")
 
@@ -113,7 +113,7 @@ class SandboxConfig:
     engine's own threads, and to every other process on the machine."""
 
 
-def _policy_entries(_: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+def _policy_entries(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     from pie.net.policy import NetworkPolicy, PolicyError
 
     try:
@@ -143,14 +143,14 @@ class NetworkConfig:
 _MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-def _mcp_server_name(_: object, attribute: attrs.Attribute, value: str) -> None:
+def _mcp_server_name(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not _MCP_SERVER_NAME.fullmatch(value):
         raise ValueError(
             f"mcp server name must be letters, digits, '-', '_' and '.', got {value!r}"
         )
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: float) -> None:
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
@@ -190,7 +190,7 @@ class McpServerConfig:
 
 
 def _unique_names(
-    _: object, attribute: attrs.Attribute, value: tuple[McpServerConfig, ...]
+    _: object, attribute: attrs.Attribute[Any], value: tuple[McpServerConfig, ...]
 ) -> None:
     names = [server.name for server in value]
     for name in names:
@@ -237,7 +237,7 @@ class ServerConfig:
     """On SIGINT/SIGTERM, running inferlets get this long to finish before they are stopped."""
 
 
-def _mounts(_: object, attribute: attrs.Attribute, value: dict[str, str]) -> None:
+def _mounts(_: object, attribute: attrs.Attribute[Any], value: dict[str, str]) -> None:
     for prefix, program in value.items():
         if not prefix.startswith("/") or (prefix != "/" and prefix.endswith("/")):
             raise ValueError(

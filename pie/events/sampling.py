@@ -5,7 +5,7 @@ These are plain values shared by the actors (which route them) and the drivers (
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 from attrs import frozen
@@ -17,17 +17,17 @@ A leading 0 starts the mask with a False run. The runs must add up to the mask's
 """
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: float) -> None:
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
 
-def _probability(_: object, attribute: attrs.Attribute, value: float) -> None:
+def _probability(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
 
 
-def _min_one(_: object, attribute: attrs.Attribute, value: int) -> None:
+def _min_one(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 

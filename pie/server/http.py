@@ -70,7 +70,9 @@ class HttpFront:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    async def run(self, *, task_status: trio.TaskStatus[HttpFront] = trio.TASK_STATUS_IGNORED):
+    async def run(
+        self, *, task_status: trio.TaskStatus[HttpFront] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         settings = HypercornConfig()
         host = f"[{self.host}]" if ":" in self.host else self.host
         settings.bind = [f"{host}:{self.config.port}"]

@@ -296,5 +296,5 @@ ServerMessage: TypeAlias = (
     | WatchedMessage
 )
 
-CLIENT_MESSAGES: tuple[type, ...] = ClientMessage.__args__  # type: ignore[attr-defined]
-SERVER_MESSAGES: tuple[type, ...] = ServerMessage.__args__  # type: ignore[attr-defined]
+CLIENT_MESSAGES: tuple[type, ...] = ClientMessage.__args__
+SERVER_MESSAGES: tuple[type, ...] = ServerMessage.__args__

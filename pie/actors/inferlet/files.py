@@ -70,7 +70,10 @@ def widest(quotas: Iterable[Quota]) -> Quota:
     )
 
 
-def measure(path: str, stop_over: Quota = Quota()) -> Usage:
+NO_LIMIT = Quota()
+
+
+def measure(path: str, stop_over: Quota = NO_LIMIT) -> Usage:
     """What is under `path`, links not followed. Counting stops as soon as `stop_over` is
     exceeded, so a directory far over its quota costs no more to check than one at it."""
     size = files = 0

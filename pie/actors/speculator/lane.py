@@ -71,7 +71,7 @@ class Lane:
         seed = getattr(op, "seed", None)
         if seed is None or self.seed_step == 0:
             return op
-        return attrs.evolve(op, seed=(seed + self.seed_step) % SEED_MODULUS)  # type: ignore[misc]
+        return attrs.evolve(op, seed=(seed + self.seed_step) % SEED_MODULUS)
 
     def learn_seed_step(self, op: SlotOp) -> None:
         """A program that reuses one seed, or strides by another step, is predicted so from
@@ -79,5 +79,5 @@ class Lane:
         got, had = getattr(op, "seed", None), getattr(self.base_op, "seed", None)
         if got is None or had is None or type(op) is not type(self.base_op):
             return
-        if attrs.evolve(op, seed=had) == self.base_op:  # type: ignore[misc]
+        if attrs.evolve(op, seed=had) == self.base_op:
             self.seed_step = (got - had) % SEED_MODULUS

@@ -54,7 +54,7 @@ class CausalLM(nn.Module):
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {}
     """HF weight name fragment -> (our fused parameter fragment, shard id), for the loader."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""

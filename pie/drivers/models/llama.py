@@ -116,7 +116,7 @@ class LlamaForCausalLM(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(  # type: ignore[override]
+    def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attention)
