@@ -1,4 +1,5 @@
-"""Test plumbing: `async def` tests run under trio.run (trio's own test helper)."""
+"""Test plumbing: `async def` tests run under trio.run (trio's own test helper), and every test
+carries exactly one tier marker (docs/development.md#tests)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from tests.model_fixtures import (  # noqa: F401  (fixtures for every module)
     tokenizer,
 )
 
+TIERS = ("unit", "integration", "model")
+REAL_MODEL_FIXTURES = frozenset({"real", "default_model_dir", "tokenizer", "default_gguf"})
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
@@ -22,3 +26,28 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
     trio.testing.trio_test(pyfuncitem.obj)(**kwargs)
     return True
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    problems = [problem for item in items if (problem := tier_problem(item))]
+    if problems:
+        raise pytest.UsageError(
+            "tests need exactly one tier marker, "
+            + ", ".join(f"@pytest.mark.{tier}" for tier in TIERS)
+            + " (docs/development.md#tests):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def tier_problem(item: pytest.Item) -> str | None:
+    """What is wrong with the test's tier, or None."""
+    tiers = [mark.name for mark in item.iter_markers() if mark.name in TIERS]
+    if not tiers:
+        return f"{item.nodeid}: no tier marker"
+    if len(tiers) > 1:
+        return f"{item.nodeid}: {len(tiers)} tier markers ({', '.join(tiers)})"
+    model = sorted(REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
+    if tiers == ["unit"] and model:
+        return f"{item.nodeid}: a unit test that needs the real model (fixtures {', '.join(model)})"
+    return None

@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "sdk" / "examples"
 
 

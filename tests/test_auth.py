@@ -17,6 +17,8 @@ from pie.cli.parser import add_auth_parser
 from pie.server.auth import UserStore, default_users_dir
 from pie.wire.challenge import AuthError, new_nonce, sign_nonce
 
+pytestmark = pytest.mark.unit
+
 # ssh-keygen -lf prints this for the Ed25519 key whose seed is 32 zero bytes.
 ZERO_SEED_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDtqJ7zOtqQtYqOo0CpvDXNlMhV3HeJDpjrASKGLWdop"
 ZERO_SEED_FINGERPRINT = "ssh-ed25519 SHA256:tAXFyTXI8xtDaujAEcwJslAYc9/6FKcUkd2Lw0xDhPo"

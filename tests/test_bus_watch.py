@@ -35,6 +35,8 @@ from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 from tests.server_fixtures import Raw, serving
 from tests.server_fixtures import connect as raw_connect
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def switchboard(built: Callable[[Path], Path], default_model_dir: Path) -> bytes:  # noqa: F811

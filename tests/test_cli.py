@@ -22,7 +22,7 @@ def pie(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_generate_log_and_replay(tmp_path: Path, default_model_dir: Path) -> None:  # noqa: F811
     log_path = tmp_path / "events.jsonl"
     config = tmp_path / "pie.toml"
@@ -52,6 +52,7 @@ def test_generate_log_and_replay(tmp_path: Path, default_model_dir: Path) -> Non
     assert "0 mismatches" in replayed.stdout and "pages free 64/64" in replayed.stdout
 
 
+@pytest.mark.integration
 def test_a_config_with_an_unknown_key_is_refused_by_name(tmp_path: Path) -> None:
     config = tmp_path / "pie.toml"
     config.write_text("[kv]\npage_sise = 8\n", encoding="utf-8")
@@ -60,6 +61,7 @@ def test_a_config_with_an_unknown_key_is_refused_by_name(tmp_path: Path) -> None
     assert "page_sise" in done.stderr and done.stdout == ""
 
 
+@pytest.mark.integration
 def test_a_bad_config_value_is_refused_by_name(tmp_path: Path) -> None:
     config = tmp_path / "pie.toml"
     config.write_text('[model]\ndtype = "float8"\n', encoding="utf-8")
@@ -78,7 +80,7 @@ def run_config(tmp_path: Path, pytestconfig: pytest.Config) -> Path:
     return config
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_run_prints_only_the_inferlets_result(
     tmp_path: Path,
     pytestconfig: pytest.Config,
@@ -101,7 +103,7 @@ def test_run_prints_only_the_inferlets_result(
     assert done.stdout == "The capital of France is Paris.\n"
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_run_reports_a_failing_inferlet_on_stderr(
     tmp_path: Path,
     pytestconfig: pytest.Config,
@@ -123,6 +125,7 @@ def test_run_reports_a_failing_inferlet_on_stderr(
     assert "failed" in done.stderr and "ValueError: boom" in done.stderr
 
 
+@pytest.mark.integration
 def test_run_names_a_missing_component(tmp_path: Path) -> None:
     done = pie("run", str(tmp_path / "nowhere.wasm"))
     assert done.returncode == 2 and "nowhere.wasm" in done.stderr and done.stdout == ""

@@ -41,6 +41,8 @@ from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixt
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 from tests.server_fixtures import serving
 
+pytestmark = pytest.mark.integration
+
 RELAY = {"mode": "relay"}  # answers each message "n:text" until "bye"
 
 

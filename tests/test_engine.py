@@ -57,6 +57,7 @@ def fresh_kv(engine: Engine) -> KvCore:
     return KvCore(num_pages=info.num_pages, page_size=info.page_size, vocab_size=info.vocab_size)
 
 
+@pytest.mark.integration
 async def test_concurrent_requesters_get_correct_tokens_from_shared_batches() -> None:
     results: dict[int, list[int]] = {}
     with trio.fail_after(10):
@@ -75,6 +76,7 @@ async def test_concurrent_requesters_get_correct_tokens_from_shared_batches() ->
     assert stats.inference.passes < 16 * 8
 
 
+@pytest.mark.integration
 async def test_running_out_of_pages_refuses_one_requester_and_not_another() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver(num_pages=4)) as engine:
@@ -105,6 +107,7 @@ class PoisonDriver(SyntheticDriver):
         return super().forward(batch)
 
 
+@pytest.mark.integration
 async def test_a_request_the_driver_refuses_fails_alone_in_its_batch() -> None:
     driver = PoisonDriver(poison=666)
     outcomes: dict[int, object] = {}
@@ -138,6 +141,7 @@ async def test_a_request_the_driver_refuses_fails_alone_in_its_batch() -> None:
     assert stats.kv.pages_free == stats.kv.pages_total
 
 
+@pytest.mark.integration
 async def test_closing_a_requester_destroys_its_contexts() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver(page_size=4)) as engine:
@@ -151,6 +155,7 @@ async def test_closing_a_requester_destroys_its_contexts() -> None:
     assert idle.contexts == 0 and idle.pages_free == idle.pages_total
 
 
+@pytest.mark.integration
 async def test_decoding_within_a_reservation_allocates_no_pages() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver(page_size=4)) as engine:
@@ -169,6 +174,7 @@ async def test_decoding_within_a_reservation_allocates_no_pages() -> None:
     assert (info.pages, info.reserved_pages) == (3, 0)
 
 
+@pytest.mark.integration
 async def test_generation_goes_on_when_its_reservation_is_refused() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver(page_size=4, num_pages=2)) as engine:
@@ -181,6 +187,7 @@ async def test_generation_goes_on_when_its_reservation_is_refused() -> None:
     assert stats.pages_free == stats.pages_total
 
 
+@pytest.mark.integration
 async def test_a_prompt_longer_than_the_token_budget_is_chunked_and_still_right() -> None:
     driver = SyntheticDriver(page_size=4)
     config = with_overrides(EngineConfig(), scheduler={"max_batch_tokens": 8})
@@ -210,6 +217,7 @@ async def test_a_prompt_longer_than_the_token_budget_is_chunked_and_still_right(
     assert [b.kv_lens for b in driver.batches[:4]] == [[8], [16], [24], [30]]
 
 
+@pytest.mark.integration
 async def test_the_event_log_records_each_delivery_with_its_correlation() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver()) as engine:
@@ -255,6 +263,7 @@ async def busy_day(engine: Engine) -> None:
         await decode(other, [1, 2, 3, 4], 3)
 
 
+@pytest.mark.integration
 async def test_replaying_the_kv_actors_inputs_is_exact() -> None:
     driver = PoisonDriver(poison=666, page_size=4)
     driver.gate.set()
@@ -270,6 +279,7 @@ async def test_replaying_the_kv_actors_inputs_is_exact() -> None:
     assert core.state() == live
 
 
+@pytest.mark.integration
 async def test_replaying_the_json_lines_file_after_close_is_exact(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     config = with_overrides(EngineConfig(), event_log={"path": str(path)})
@@ -289,6 +299,7 @@ async def test_replaying_the_json_lines_file_after_close_is_exact(tmp_path: Path
     assert core.state() == engine.kv.core.state()
 
 
+@pytest.mark.integration
 async def test_replaying_reservations_and_a_pass_rolled_back_into_one_is_exact() -> None:
     driver = PoisonDriver(poison=666, page_size=4)
     driver.gate.set()
@@ -310,6 +321,7 @@ async def test_replaying_reservations_and_a_pass_rolled_back_into_one_is_exact()
     assert core.state() == live
 
 
+@pytest.mark.integration
 async def test_a_command_cancelled_before_it_is_sent_leaves_no_record() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver()) as engine:
@@ -328,6 +340,7 @@ async def test_a_command_cancelled_before_it_is_sent_leaves_no_record() -> None:
     assert sum(isinstance(e.event, kv.CreateContext) for e in records) == 1
 
 
+@pytest.mark.integration
 async def test_a_chunked_prompt_refused_in_a_later_chunk_fails_once_and_rolls_back() -> None:
     driver = PoisonDriver(poison=666, page_size=4)
     driver.gate.set()
@@ -346,6 +359,7 @@ async def test_a_chunked_prompt_refused_in_a_later_chunk_fails_once_and_rolls_ba
     assert stats.kv.pages_free == stats.kv.pages_total
 
 
+@pytest.mark.unit
 async def test_an_event_that_cannot_be_delivered_is_not_logged() -> None:
     log = EventLog()
     router = Router(log)
@@ -358,6 +372,7 @@ async def test_an_event_that_cannot_be_delivered_is_not_logged() -> None:
     assert [e.corr for e in log.records()] == [1]
 
 
+@pytest.mark.unit
 def test_reading_a_log_skips_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     log = EventLog(path=path)
@@ -369,6 +384,7 @@ def test_reading_a_log_skips_a_torn_last_line(tmp_path: Path) -> None:
     assert [e.event for e in read_log(path)] == [e.event for e in log.records()]
 
 
+@pytest.mark.unit
 def test_reading_a_log_refuses_a_bad_line_in_the_middle(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     log = EventLog(path=path)
@@ -380,6 +396,7 @@ def test_reading_a_log_refuses_a_bad_line_in_the_middle(tmp_path: Path) -> None:
         list(read_log(path))
 
 
+@pytest.mark.unit
 def test_a_new_log_file_replaces_the_previous_run(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     for corr in (1, 2):
@@ -389,6 +406,7 @@ def test_a_new_log_file_replaces_the_previous_run(tmp_path: Path) -> None:
     assert [e.corr for e in read_log(path)] == [2]
 
 
+@pytest.mark.integration
 async def test_requesters_talk_through_queues_and_topics() -> None:
     with trio.fail_after(10):
         async with open_engine(driver=SyntheticDriver()) as engine:

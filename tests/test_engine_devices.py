@@ -15,7 +15,9 @@ from pie.config import EngineConfig, with_overrides
 from pie.drivers.factory import build_torch_driver
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
-from tests.test_models import TINY_CASES, save_tiny_model
+from tests.tiny_models import TINY_CASES, save_tiny_model
+
+pytestmark = pytest.mark.integration
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = ["llama-llama3-rope-sharded", "qwen2-qkv-bias", "qwen3-qk-norm-wide-heads"]

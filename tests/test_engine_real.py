@@ -18,7 +18,7 @@ from pie.engine import open_engine
 from pie.events.sampling import Argmax, Distribution, SamplingSlot, TopP
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -39,6 +39,8 @@ from pie.events.sampling import (
     TopP,
 )
 
+pytestmark = pytest.mark.unit
+
 OPS: tuple[SlotOp, ...] = (
     Argmax(),
     Multinomial(temperature=0.7, seed=11),

@@ -23,7 +23,7 @@ from tests.inferlet_fixtures import EXAMPLES, GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 Real = tuple[EngineConfig, Any, Any]
 

@@ -106,6 +106,7 @@ async def _run(
         return json.loads(outcome.result)
 
 
+@pytest.mark.integration
 async def test_requests_carry_methods_headers_and_bodies(
     server: tuple[str, Counter[str]], fetcher_wasm: bytes, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
@@ -130,6 +131,7 @@ async def test_requests_carry_methods_headers_and_bodies(
     assert hits["/echo"] == 3
 
 
+@pytest.mark.integration
 async def test_the_policy_refuses_before_anything_is_sent(
     server: tuple[str, Counter[str]], fetcher_wasm: bytes, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
@@ -158,6 +160,7 @@ async def test_the_policy_refuses_before_anything_is_sent(
     assert hits["/redirect"] == 3 and hits["/echo"] == 1
 
 
+@pytest.mark.integration
 async def test_size_time_and_redirect_limits(
     server: tuple[str, Counter[str]], fetcher_wasm: bytes, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
@@ -184,6 +187,7 @@ async def test_size_time_and_redirect_limits(
     assert got[4]["status"] == 200
 
 
+@pytest.mark.integration
 async def test_an_allowed_name_cannot_lead_into_a_denied_block(
     server: tuple[str, Counter[str]],
 ) -> None:
@@ -206,6 +210,7 @@ async def test_an_allowed_name_cannot_lead_into_a_denied_block(
     assert hits["/echo"] == 1
 
 
+@pytest.mark.unit
 def test_policy_entries() -> None:
     policy = NetworkPolicy.parse(
         ["10.0.0.0/8", "192.168.1.7", "::1", "api.example.com", "*.corp.example"],
@@ -232,6 +237,7 @@ def test_policy_entries() -> None:
         NetworkPolicy.parse([], ["example.com"])
 
 
+@pytest.mark.unit
 def test_bad_network_config_is_refused_with_its_key() -> None:
     with pytest.raises(ConfigError, match="network.allow"):
         config_from_dict({"network": {"allow": ["bad host!"]}})

@@ -69,6 +69,7 @@ async def front_end(
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.integration
 async def test_a_request_reaches_handle_below_its_prefix(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -86,6 +87,7 @@ async def test_a_request_reaches_handle_below_its_prefix(
     assert echo["user"] == "http"
 
 
+@pytest.mark.integration
 async def test_the_longest_prefix_wins_and_unmounted_paths_are_404(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -102,6 +104,7 @@ async def test_the_longest_prefix_wins_and_unmounted_paths_are_404(
     assert Mounts({"/a": "p"}).find("/a") == ("p", "/")
 
 
+@pytest.mark.integration
 async def test_a_streamed_response_arrives_piece_by_piece(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -114,6 +117,7 @@ async def test_a_streamed_response_arrives_piece_by_piece(
     assert lines == [*(f'data: {{"n": {n}}}' for n in range(5)), "data: [DONE]"]
 
 
+@pytest.mark.integration
 async def test_errors_become_http_errors_and_the_engine_serves_on(
     served: bytes, social: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -136,6 +140,7 @@ async def test_errors_become_http_errors_and_the_engine_serves_on(
     assert stats.failed == 3 and stats.running == 0
 
 
+@pytest.mark.integration
 async def test_a_body_over_the_limit_is_refused(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -146,6 +151,7 @@ async def test_a_body_over_the_limit_is_refused(
     assert reply.status_code == 413 and reply.json()["error"]["type"] == "too_large"
 
 
+@pytest.mark.integration
 async def test_a_client_that_goes_away_stops_its_instance(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -161,6 +167,7 @@ async def test_a_client_that_goes_away_stops_its_instance(
     assert stats.terminated == 1
 
 
+@pytest.mark.integration
 async def test_each_request_runs_in_a_fresh_instance(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
@@ -180,6 +187,7 @@ async def test_each_request_runs_in_a_fresh_instance(
     assert len({e["instance"] for e in echoes}) == 8
 
 
+@pytest.mark.integration
 async def test_with_authentication_a_bearer_token_names_the_user(
     served: bytes, tokenizer: Tokenizer, components: Path, tmp_path: Path
 ) -> None:
@@ -195,6 +203,7 @@ async def test_with_authentication_a_bearer_token_names_the_user(
     assert alice.status_code == 200 and alice.json()["user"] == "alice"
 
 
+@pytest.mark.unit
 def test_http_config_is_checked() -> None:
     config = config_from_dict({"http": {"port": 0, "mounts": {"/v2": "api@1.0"}}})
     assert config.http.mounts == {"/v2": "api@1.0"}
@@ -203,6 +212,7 @@ def test_http_config_is_checked() -> None:
             config_from_dict({"http": {"mounts": bad}})
 
 
+@pytest.mark.unit
 def test_the_entry_decides_the_world(tmp_path: Path) -> None:
     from pie.build import BuildError, check_inferlet
 

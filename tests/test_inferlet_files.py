@@ -36,6 +36,7 @@ from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixt
 MIB = 1 << 20
 
 
+@pytest.mark.unit
 def test_user_directory_names_stay_in_one_directory_and_apart() -> None:
     users = ["alice", "Alice", "..", ".", "", "../alice", "a/b", "a_b", "/etc/passwd", "\x00x"]
     users += ["-rf", "名前", "x" * 500, "a\\..\\b", "\ud800"]
@@ -48,6 +49,7 @@ def test_user_directory_names_stay_in_one_directory_and_apart() -> None:
     assert user_directory_name("alice").startswith("alice-")
 
 
+@pytest.mark.unit
 def test_measure_counts_what_is_nested_and_stops_once_over(tmp_path: Path) -> None:
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "one").write_bytes(b"1" * 100)
@@ -60,6 +62,7 @@ def test_measure_counts_what_is_nested_and_stops_once_over(tmp_path: Path) -> No
     assert 60 < stopped.bytes < 350 and stopped.files < 24
 
 
+@pytest.mark.unit
 def test_measure_does_not_follow_links(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -79,6 +82,7 @@ def watched_scratch(tmp_path: Path, quota: Quota) -> tuple[InstanceFiles, KillSw
     return files, kill, Path(limits.scratch_dir)
 
 
+@pytest.mark.unit
 def test_the_watcher_stops_an_instance_over_its_quota(tmp_path: Path) -> None:
     files, kill, scratch = watched_scratch(tmp_path, Quota(max_bytes=MIB))
     (scratch / "half").write_bytes(b"x" * (MIB // 2))
@@ -90,6 +94,7 @@ def test_the_watcher_stops_an_instance_over_its_quota(tmp_path: Path) -> None:
     assert kill.reason == "/scratch holds more than its quota of 1 MiB (at least 1.5 MiB)"
 
 
+@pytest.mark.unit
 def test_finishing_removes_scratch_and_fails_an_instance_that_ended_over_quota(
     tmp_path: Path,
 ) -> None:
@@ -106,6 +111,7 @@ def test_finishing_removes_scratch_and_fails_an_instance_that_ended_over_quota(
     assert not kill.killed
 
 
+@pytest.mark.unit
 def test_a_user_directory_over_quota_may_shrink_but_not_grow(tmp_path: Path) -> None:
     files = InstanceFiles(
         FileLayout(persist_root=str(tmp_path), persist_quota=Quota(max_bytes=MIB))
@@ -175,6 +181,7 @@ async def files_engine(filer: Guest, **sandbox: Any) -> AsyncIterator[Files]:
         yield Files(engine, engine.programs.add(filer.wasm).hash)
 
 
+@pytest.mark.integration
 async def test_no_scratch_and_no_data_by_default(filer: Guest, tmp_path: Path) -> None:
     async with files_engine(filer) as files:
         looked = await files.run(mode="look")
@@ -185,6 +192,7 @@ async def test_no_scratch_and_no_data_by_default(filer: Guest, tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 async def test_scratch_is_removed_when_the_instance_ends(filer: Guest, tmp_path: Path) -> None:
     root = tmp_path / "scratch"
     async with files_engine(filer, scratch_dir=str(root)) as files:
@@ -200,6 +208,7 @@ async def test_scratch_is_removed_when_the_instance_ends(filer: Guest, tmp_path:
     assert list(root.iterdir()) == []
 
 
+@pytest.mark.integration
 async def test_writing_past_the_quota_stops_the_inferlet_and_others_carry_on(
     filer: Guest, tmp_path: Path
 ) -> None:
@@ -219,6 +228,7 @@ async def test_writing_past_the_quota_stops_the_inferlet_and_others_carry_on(
     assert list(root.iterdir()) == []
 
 
+@pytest.mark.integration
 async def test_an_inferlet_that_ends_over_quota_fails(filer: Guest, tmp_path: Path) -> None:
     async with files_engine(
         filer,
@@ -231,6 +241,7 @@ async def test_an_inferlet_that_ends_over_quota_fails(filer: Guest, tmp_path: Pa
     assert (outcome.error or "").startswith("/scratch holds more than its quota of 5 files")
 
 
+@pytest.mark.integration
 async def test_data_outlives_the_run_for_its_user_only(filer: Guest, tmp_path: Path) -> None:
     persist = tmp_path / "persist"
     async with files_engine(filer, persist_dir=str(persist)) as files:
@@ -244,6 +255,7 @@ async def test_data_outlives_the_run_for_its_user_only(filer: Guest, tmp_path: P
     assert (persist / user_directory_name("alice") / "note.txt").read_text() == "remember"
 
 
+@pytest.mark.integration
 async def test_user_names_that_look_like_paths_stay_inside_persist_dir(
     filer: Guest, tmp_path: Path
 ) -> None:
@@ -263,6 +275,7 @@ async def test_user_names_that_look_like_paths_stay_inside_persist_dir(
     assert [p.name for p in tmp_path.iterdir()] == ["deep"]
 
 
+@pytest.mark.integration
 async def test_a_user_over_quota_is_stopped_and_may_still_clean_up(
     filer: Guest, tmp_path: Path
 ) -> None:
@@ -279,6 +292,7 @@ async def test_a_user_over_quota_is_stopped_and_may_still_clean_up(
     assert [p.name for p in (persist / user_directory_name("alice")).iterdir()] == ["small"]
 
 
+@pytest.mark.integration
 async def test_a_directory_that_cannot_be_made_fails_the_inferlet_only(
     filer: Guest, tmp_path: Path
 ) -> None:
@@ -296,6 +310,7 @@ async def test_a_directory_that_cannot_be_made_fails_the_inferlet_only(
     assert stats.running == 0 and stats.failed == 2
 
 
+@pytest.mark.unit
 def test_a_quota_error_never_shows_the_usage_as_the_quota(tmp_path: Path) -> None:
     files, kill, scratch = watched_scratch(tmp_path, Quota(max_bytes=MIB))
     (scratch / "just-over").write_bytes(b"x" * (MIB + 100))

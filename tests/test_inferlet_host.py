@@ -4,6 +4,7 @@ and cleanup after every kind of end."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -11,12 +12,16 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 import wasmtime
 
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.events import inferlet as ev
+from pie.sandbox.host import InstanceState
+
+pytestmark = pytest.mark.integration
 
 GUEST = (Path(__file__).parent / "wat_guests" / "host_calls.wat").read_text()
 
@@ -31,6 +36,22 @@ def engine_for(tmp_path: Path, **sandbox: Any) -> Any:
 
 def add_guest(engine: Engine) -> str:
     return engine.programs.add(bytes(wasmtime.wat2wasm(GUEST)), name="host-calls").hash
+
+
+def entered_poll(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """An event set when a guest thread starts waiting in the host for a pollable, a moment the
+    engine reports to no one."""
+    entered = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    wait_any = InstanceState.wait_any
+
+    def waiting(state: InstanceState, handles: list[int]) -> list[int]:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(entered.set)
+        return wait_any(state, handles)
+
+    monkeypatch.setattr(InstanceState, "wait_any", waiting)
+    return entered
 
 
 async def test_results_and_errors_reach_the_launcher(tmp_path: Path) -> None:
@@ -49,9 +70,9 @@ async def test_a_trap_fails_one_inferlet_and_frees_its_contexts(tmp_path: Path) 
         program = add_guest(engine)
         trapped = await engine.run_inferlet(program, "c")
         after = await engine.run_inferlet(program, "o")
-        with trio.fail_after(5):
-            while engine.statistics().kv.contexts:
-                await trio.sleep(0.01)
+        # Both guest threads have ended; the kv actor has yet to handle their release.
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.statistics().kv.contexts == 0
     assert trapped.status == "trapped" and "unreachable" in (trapped.error or "")
     assert after.ok
 
@@ -73,12 +94,15 @@ async def test_a_looping_guest_stops_at_its_budget_while_another_finishes(tmp_pa
     assert outcomes["ok"].ok
 
 
-async def test_terminate_wakes_a_guest_blocked_in_poll(tmp_path: Path) -> None:
+async def test_terminate_wakes_a_guest_blocked_in_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    in_poll = entered_poll(monkeypatch)
     async with engine_for(tmp_path) as engine, engine.requester() as requester:
         program = add_guest(engine)
         run = await requester.launch(program, "p")
-        await trio.sleep(0.1)
-        with trio.fail_after(5):
+        with trio.fail_after(10):
+            await in_poll.wait()
             await run.terminate()
             outcome = await run.outcome()
     assert outcome.status == "terminated" and "terminated by" in (outcome.error or "")
@@ -113,7 +137,9 @@ async def test_shutdown_stops_running_guests(tmp_path: Path) -> None:
         async with engine_for(tmp_path) as engine, engine.requester() as requester:
             program = add_guest(engine)
             await requester.launch(program, "l")
-            await trio.sleep(0.1)
+            # The looping guest's thread reports nothing once inside wasm: poll until it is.
+            while not engine.wasm.statistics().running:
+                await trio.sleep(0.01)
     assert engine.inferlets.core.instances == {}
 
 
@@ -126,13 +152,20 @@ async def test_bytes_that_are_not_a_component_fail_clearly(tmp_path: Path) -> No
     assert still_fine.ok
 
 
-async def test_closing_a_launcher_stops_its_inferlets_ended_or_not(tmp_path: Path) -> None:
+async def test_closing_a_launcher_stops_its_inferlets_ended_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    in_poll = entered_poll(monkeypatch)
     async with engine_for(tmp_path) as engine:
         program = add_guest(engine)
         async with engine.requester() as requester:
-            await requester.launch(program, "o")
+            ended = await requester.launch(program, "o")
             await requester.launch(program, "p")
-            await trio.sleep(0.2)
+            with trio.fail_after(10):
+                # Read off the channel, not through outcome(): the launcher still tracks it.
+                while not isinstance(await ended.events.receive(), ev.InferletEnd):
+                    pass
+                await in_poll.wait()
         with trio.fail_after(5):
             while engine.inferlets.core.instances:
                 await trio.sleep(0.01)

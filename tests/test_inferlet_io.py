@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
@@ -20,6 +21,8 @@ from pie.events import inferlet as ev
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +178,8 @@ async def test_no_network(misbehave: bytes, tmp_path: Path) -> None:
         outcome = await run_misbehave(
             misbehave, {"mode": "network", "port": port}, cache_dir=str(tmp_path)
         )
-        await trio.sleep(0.2)
+        # A connection the guest had made would wait in the backlog: `watch` takes it now.
+        await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert outcome.result.startswith("refused")
     assert accepted == []

@@ -17,7 +17,7 @@ from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixt
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 from tests.test_examples import Real, example  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 COMPLETION = {"prompt": "Name three colours.", "max_tokens": 12, "temperature": 0}
 

@@ -13,6 +13,8 @@ from pie.events.kv import RequestFailed
 from pie.events.sampling import Argmax, SamplingSlot, SlotOp, TokenOutput, TopP
 from pie.events.speculation import LanePassApplied, Lease, LeaseReleased, SpeculationTally
 
+pytestmark = pytest.mark.unit
+
 PAGE = 4
 
 

@@ -36,6 +36,7 @@ def pulled() -> bus.Pulled:
     return bus.Pulled(corr=1, queue="q", message="m")
 
 
+@pytest.mark.unit
 async def test_an_accepted_event_is_delivered_and_logged() -> None:
     router, log, inbox = replies_box()
     await router.send("a", "box", kv.Done(corr=1))
@@ -45,6 +46,7 @@ async def test_an_accepted_event_is_delivered_and_logged() -> None:
     assert [r.corr for r in log.records()] == [1, 2]
 
 
+@pytest.mark.unit
 async def test_send_refuses_an_event_the_mailbox_does_not_accept() -> None:
     router, log, inbox = replies_box()
     with pytest.raises(UnexpectedEvent) as refused:
@@ -57,6 +59,7 @@ async def test_send_refuses_an_event_the_mailbox_does_not_accept() -> None:
     assert [m.received for m in router.statistics()] == [0]
 
 
+@pytest.mark.unit
 def test_send_nowait_refuses_it_too() -> None:
     router, log, inbox = replies_box()
     with pytest.raises(UnexpectedEvent, match="does not accept Pulled"):
@@ -66,6 +69,7 @@ def test_send_nowait_refuses_it_too() -> None:
     assert len(log) == 0
 
 
+@pytest.mark.unit
 def test_a_handler_address_refuses_before_its_handler_runs() -> None:
     log = EventLog()
     router = Router(log)
@@ -78,6 +82,7 @@ def test_a_handler_address_refuses_before_its_handler_runs() -> None:
     assert handled == [kv.Done(corr=7)] and len(log) == 1
 
 
+@pytest.mark.unit
 def test_classes_unions_and_tuples_flatten_into_one_tuple() -> None:
     flat = event_types((kv.KvCommand, LanePassApplied, (kv.SubmitForward, SpeculationTally)))
     assert flat[0] is kv.CreateContext and flat[-1] is SpeculationTally
@@ -85,6 +90,7 @@ def test_classes_unions_and_tuples_flatten_into_one_tuple() -> None:
     assert event_types(ExecuteBatch) == (ExecuteBatch,)
 
 
+@pytest.mark.unit
 def test_a_mailbox_must_accept_something_and_only_classes() -> None:
     router = Router()
     with pytest.raises(ValueError, match="accepts no event type"):
@@ -94,12 +100,14 @@ def test_a_mailbox_must_accept_something_and_only_classes() -> None:
     assert "empty" not in router and "typo" not in router
 
 
+@pytest.mark.unit
 def test_what_a_program_accepts_extends_what_a_requester_accepts() -> None:
     program = set(event_types(PROGRAM_INBOX))
     assert set(event_types(REPLIES)) < program
     assert program <= set(ALL_EVENTS)
 
 
+@pytest.mark.integration
 async def test_every_address_the_engine_wires_declares_the_events_it_accepts(
     tmp_path: Path,
 ) -> None:

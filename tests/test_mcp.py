@@ -87,6 +87,7 @@ async def open_toolbox(
         yield Toolbox(engine, engine.programs.add(wasm, name="toolbox").hash)
 
 
+@pytest.mark.integration
 async def test_an_inferlet_lists_the_tools_and_calls_them(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -123,6 +124,7 @@ async def test_an_inferlet_lists_the_tools_and_calls_them(
     assert stats.running == 0 and stats.failures == 0 and server.connected
 
 
+@pytest.mark.integration
 async def test_failures_come_back_as_error_kinds(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -160,6 +162,7 @@ async def test_failures_come_back_as_error_kinds(
     assert stats.failures == 8 and stats.servers[0].starts == 1
 
 
+@pytest.mark.integration
 async def test_a_server_that_cannot_start_is_unavailable_and_the_engine_serves_on(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -191,6 +194,7 @@ async def test_a_server_that_cannot_start_is_unavailable_and_the_engine_serves_o
     assert stats["quits"].start_failures == 1 and stats["tools"].starts == 1
 
 
+@pytest.mark.integration
 async def test_a_server_that_never_answers_gives_up_after_connect_seconds(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -203,6 +207,7 @@ async def test_a_server_that_never_answers_gives_up_after_connect_seconds(
     assert stats.start_failures == 1
 
 
+@pytest.mark.integration
 async def test_a_crashed_server_is_started_again_on_next_use(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -215,6 +220,7 @@ async def test_a_crashed_server_is_started_again_on_next_use(
     assert stats.starts == 2 and stats.start_failures == 0
 
 
+@pytest.mark.integration
 async def test_a_server_can_be_kept_to_some_users(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -238,6 +244,7 @@ async def test_a_server_can_be_kept_to_some_users(
     assert private.starts == 1
 
 
+@pytest.mark.integration
 async def test_calls_run_side_by_side(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -251,6 +258,7 @@ async def test_calls_run_side_by_side(
     assert results == {"hold": "released", "release": "done"}
 
 
+@pytest.mark.integration
 async def test_stopping_the_engine_stops_its_servers(
     toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -309,6 +317,7 @@ def _wait_for_port(port: int, process: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("the MCP test server did not start listening")
 
 
+@pytest.mark.integration
 async def test_a_server_over_streamable_http_gets_the_configured_headers(
     http_server: str, toolbox: bytes, tokenizer: Tokenizer, cache_dir: Path
 ) -> None:
@@ -324,6 +333,7 @@ async def test_a_server_over_streamable_http_gets_the_configured_headers(
     assert header["text"] == "k-123" and added["structured"] == {"result": 7}
 
 
+@pytest.mark.integration
 def test_the_sdk_reads_what_the_host_gives(toolbox_wasm: Path, tmp_path: Path) -> None:
     steps = [
         {"op": "servers"},
@@ -345,6 +355,7 @@ def test_the_sdk_reads_what_the_host_gives(toolbox_wasm: Path, tmp_path: Path) -
     assert host.calls["mcp.call-tool"] == host.calls["mcp.called"] == 2
 
 
+@pytest.mark.unit
 def test_content_blocks_read_as_text() -> None:
     result = mcp_types.CallToolResult(
         content=[
@@ -373,6 +384,7 @@ def test_content_blocks_read_as_text() -> None:
     assert too_large.value.kind == "too-large"
 
 
+@pytest.mark.unit
 def test_arguments_must_be_a_json_object() -> None:
     assert parse_arguments("") == {} and parse_arguments('{"a": [1]}') == {"a": [1]}
     for text in ("[1]", "3", "{oops"):
@@ -381,6 +393,7 @@ def test_arguments_must_be_a_json_object() -> None:
         assert bad.value.kind == "invalid"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("mcp", "message"),
     [
@@ -402,6 +415,7 @@ def test_bad_mcp_config_is_refused_saying_why(mcp: dict[str, Any], message: str)
     assert message in str(refused.value)
 
 
+@pytest.mark.unit
 def test_mcp_is_off_by_default_and_reads_from_toml_shaped_data() -> None:
     assert config_from_dict({}).mcp.servers == ()
     config = config_from_dict(

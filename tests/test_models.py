@@ -4,56 +4,26 @@ checkpoints, and the real SmolLM2 through our GGUF conversion."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from dense_attention import DenseCausalAttention
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 from pie.drivers.loader import LoadedModel, load_model, resolve
 from pie.drivers.loader.config import model_config_from_hf
 from pie.drivers.models import CausalLM
+from tests.tiny_models import (
+    TINY_CASES,
+    TINY_SHAPE,
+    TINY_TOLERANCE,
+    VOCAB,
+    reference_logits,
+    save_tiny_model,
+)
 
 pytest_plugins = ("model_fixtures",)
-
-TINY_TOLERANCE = 1e-4
-"""Max abs logit difference allowed against transformers, float32, tiny random models."""
-
-VOCAB = 320
-TINY_SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-)
-TINY_CASES: dict[str, dict[str, Any]] = {
-    "llama-llama3-rope-sharded": dict(
-        model_type="llama",
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=10000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=32,
-        ),
-    ),
-    "llama-linear-rope-tied": dict(
-        model_type="llama",
-        tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
-    ),
-    "qwen2-qkv-bias": dict(model_type="qwen2"),
-    "qwen3-qk-norm-wide-heads": dict(model_type="qwen3", head_dim=32),
-}
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! 12345", "pie serves"]
 
 
 def our_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -62,39 +32,7 @@ def our_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, positions, DenseCausalAttention()))
 
 
-def reference_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(ids[None]).logits[0].float()
-
-
-def save_tiny_model(folder: Path, case: dict[str, Any], seed: int = 0) -> torch.nn.Module:
-    """A random transformers model written to folder (sharded), with every weight perturbed so
-    biases and norm scales are not left at their zero/one initial values."""
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(**{**TINY_SHAPE, **case})
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(folder, max_shard_size="200KB")
-    write_tiny_tokenizer(folder, VOCAB)
-    return model
-
-
-def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A byte-level BPE with at most vocab_size ids, saved as HF tokenizer files in folder."""
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    raw.train_from_iterator(CORPUS, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>").save_pretrained(folder)
-
-
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(TINY_CASES))
 def test_tiny_model_matches_transformers(tmp_path: Path, name: str) -> None:
     reference = save_tiny_model(tmp_path, TINY_CASES[name])
@@ -113,6 +51,7 @@ BF16_TOLERANCE = 0.15
 0.07 here against the float32 reference; this checks the dtype plumbing, not bit equality."""
 
 
+@pytest.mark.unit
 def test_bf16_model_gives_float32_logits_near_the_float32_reference(tmp_path: Path) -> None:
     reference = save_tiny_model(tmp_path, TINY_CASES["llama-llama3-rope-sharded"])
     loaded = load_model(str(tmp_path), torch.bfloat16, "cpu")
@@ -127,11 +66,13 @@ def test_bf16_model_gives_float32_logits_near_the_float32_reference(tmp_path: Pa
     assert (ours - reference_logits(reference, ids)).abs().max().item() <= BF16_TOLERANCE
 
 
+@pytest.mark.unit
 def test_sharded_checkpoint_is_split_across_files(tmp_path: Path) -> None:
     save_tiny_model(tmp_path, TINY_CASES["llama-llama3-rope-sharded"])
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
 
 
+@pytest.mark.unit
 def test_checkpoint_mismatch_names_missing_and_unexpected_weights(tmp_path: Path) -> None:
     save_tiny_model(tmp_path, dict(model_type="llama"))
     merged: dict[str, torch.Tensor] = {}
@@ -150,11 +91,13 @@ def test_checkpoint_mismatch_names_missing_and_unexpected_weights(tmp_path: Path
     assert "model.layers.1.extra.weight" in str(error.value)
 
 
+@pytest.mark.unit
 def test_unknown_model_type_lists_supported_types() -> None:
     with pytest.raises(ValueError, match=r"'mamba'.*\['llama', 'qwen2', 'qwen3'\]"):
         model_config_from_hf({"model_type": "mamba"})
 
 
+@pytest.mark.unit
 def test_config_reads_legacy_rope_keys_and_eos_lists() -> None:
     config = model_config_from_hf(
         {
@@ -196,7 +139,7 @@ def smollm2_reference(default_gguf: Path) -> torch.nn.Module:
     ).eval()
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_logits_match_transformers_gguf(
     smollm2: LoadedModel, smollm2_reference: torch.nn.Module
 ) -> None:
@@ -211,7 +154,7 @@ def test_smollm2_logits_match_transformers_gguf(
     assert ours[-1].argmax() == theirs[-1].argmax()
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_config_from_gguf(smollm2: LoadedModel) -> None:
     config = smollm2.config
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
@@ -224,6 +167,7 @@ def test_smollm2_config_from_gguf(smollm2: LoadedModel) -> None:
     assert config.eos_token_ids == (2,)
 
 
+@pytest.mark.model
 def test_second_resolve_reuses_the_converted_folder(
     default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -237,6 +181,7 @@ def test_second_resolve_reuses_the_converted_folder(
     assert (again / resolve.COMPLETE_MARKER).is_file()
 
 
+@pytest.mark.unit
 def test_half_written_conversion_is_redone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
@@ -253,6 +198,7 @@ def test_half_written_conversion_is_redone(tmp_path: Path, monkeypatch: pytest.M
     assert not (folder / "config.json").exists()
 
 
+@pytest.mark.unit
 def test_bad_specs_fail_with_the_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nowhere.gguf"):
         resolve.resolve_model(str(tmp_path / "nowhere.gguf"))

@@ -23,7 +23,7 @@ from pie.server.mounts import OPENAI_PREFIX, OPENAI_SERVER, Mounts
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 PROMPT = "Name three colours of the rainbow."
 SYSTEM = "You answer briefly."

@@ -15,6 +15,8 @@ from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
 from pie.events.forward import ForwardRequest
 from pie.events.sampling import Rle, bools_to_rle, rle_to_bools
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-5
 DEVICE = os.environ.get("PIE_TEST_DEVICE", "cpu")
 PAGE = 4

@@ -18,6 +18,8 @@ from pie.wire.frames import (
     encode_frame,
 )
 
+pytestmark = pytest.mark.unit
+
 CLIENT_SAMPLES = (
     m.Authenticate(corr=1, user="ada", token="s3cret"),
     m.Authenticate(corr=2, user="ada", signature="c2lnbmVk"),

@@ -102,6 +102,7 @@ class Mark(Exception):
         self.owner = owner
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("register", ["add_host_func", "wasmtime-py add_func"])
 def test_each_thread_gets_the_exception_its_own_host_call_raised(
     engine: Engine, host_types: Component, register: str
@@ -135,6 +136,7 @@ def test_each_thread_gets_the_exception_its_own_host_call_raised(
     assert mixed_up == [], f"{len(mixed_up)} of {threads * calls} calls: {mixed_up[:3]}"
 
 
+@pytest.mark.integration
 def test_core_module_host_exceptions_are_per_thread_too(engine: Engine) -> None:
     module = wasmtime.Module(
         engine,
@@ -180,6 +182,7 @@ def run_threads(target: Callable[[int], None], count: int) -> None:
 # -- host functions ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_numbers_and_strings_cross_both_ways(engine: Engine, host_types: Component) -> None:
     call = host_types_call(engine, host_types, count=lambda x: x + 1, concat=lambda a, n: a * n)
     assert call("count", 41) == 42
@@ -187,6 +190,7 @@ def test_numbers_and_strings_cross_both_ways(engine: Engine, host_types: Compone
     assert call("concat", "", 5) == ""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("size", [0, 3, 1000])
 def test_lists_cross_element_by_element_or_in_bulk(
     engine: Engine, host_types: Component, size: int
@@ -205,6 +209,7 @@ def test_lists_cross_element_by_element_or_in_bulk(
     assert call("blob", data) == data[::-1]
 
 
+@pytest.mark.integration
 def test_bulk_lists_take_numpy_arrays_and_refuse_values_that_would_wrap(
     engine: Engine, host_types: Component
 ) -> None:
@@ -217,6 +222,7 @@ def test_bulk_lists_take_numpy_arrays_and_refuse_values_that_would_wrap(
         call("reverse", [1])
 
 
+@pytest.mark.integration
 def test_records_use_wit_field_names(engine: Engine, host_types: Component) -> None:
     seen: list[Any] = []
 
@@ -240,12 +246,14 @@ def test_records_use_wit_field_names(engine: Engine, host_types: Component) -> N
     assert (info.name, getattr(info, "vocab-size")) == ("tiny", 49152)
 
 
+@pytest.mark.integration
 def test_options_are_none_or_the_payload(engine: Engine, host_types: Component) -> None:
     call = host_types_call(engine, host_types, half=lambda x: None if x is None else x // 2)
     assert call("half", 8) == 4
     assert call("half", None) is None
 
 
+@pytest.mark.integration
 def test_results_take_ok_and_err_tagged_or_not(engine: Engine, host_types: Component) -> None:
     call = host_types_call(
         engine,
@@ -263,12 +271,14 @@ def test_results_take_ok_and_err_tagged_or_not(engine: Engine, host_types: Compo
     assert call("validate", 30) == "too big"
 
 
+@pytest.mark.integration
 def test_a_result_needs_ok_or_err(engine: Engine, host_types: Component) -> None:
     call = host_types_call(engine, host_types, parse=lambda s: 5)
     with pytest.raises(TypeError, match="Ok or Err"):
         call("parse", "5")
 
 
+@pytest.mark.integration
 def test_variants_are_tagged_only_when_ambiguous(engine: Engine, host_types: Component) -> None:
     call = host_types_call(engine, host_types, echo_payload=lambda p: p, echo_op=lambda o: o)
     assert call("echo-payload", "hi") == "hi"
@@ -277,6 +287,7 @@ def test_variants_are_tagged_only_when_ambiguous(engine: Engine, host_types: Com
         assert call("echo-op", op) == op
 
 
+@pytest.mark.integration
 def test_a_host_exception_traps_and_reaches_the_caller(
     engine: Engine, host_types: Component
 ) -> None:
@@ -291,6 +302,7 @@ def test_a_host_exception_traps_and_reaches_the_caller(
         call("count", 1)
 
 
+@pytest.mark.integration
 def test_one_host_function_serves_components_that_type_it_differently(engine: Engine) -> None:
     """The cached signature is checked against every value; another type re-reads it."""
     as_number = Component(engine, wat("host_loop"))
@@ -307,6 +319,7 @@ def test_one_host_function_serves_components_that_type_it_differently(engine: En
         assert measure(text_store, "four") == 4
 
 
+@pytest.mark.integration
 def test_host_call_cost(engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
     component = Component(engine, wat("host_loop"))
 
@@ -332,6 +345,7 @@ def test_host_call_cost(engine: Engine, capsys: pytest.CaptureFixture[str]) -> N
 # -- the component cache -----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_second_cache_loads_from_disk_without_compiling(
     tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,6 +365,7 @@ def test_a_second_cache_loads_from_disk_without_compiling(
     assert call("spin", 3) == 6
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("damage", ["garbage", "flipped byte", "truncated"])
 def test_a_damaged_artifact_is_recompiled_and_rewritten(
     tmp_path: Path, engine: Engine, damage: str
@@ -374,6 +389,7 @@ def test_a_damaged_artifact_is_recompiled_and_rewritten(
     assert rewritten.read_bytes() != bytes(data)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("wasm", "message"),
     [
@@ -389,6 +405,7 @@ def test_bytes_that_are_not_a_component_are_an_invalid_program(
         ComponentCache(engine, tmp_path).load(wasm)
 
 
+@pytest.mark.integration
 def test_artifacts_of_another_wasmtime_are_never_read(tmp_path: Path, engine: Engine) -> None:
     cache = ComponentCache(engine, tmp_path)
     assert cache.directory.parent == tmp_path
@@ -440,6 +457,7 @@ def run(
     )
 
 
+@pytest.mark.integration
 def test_an_ok_result_returns_and_an_err_result_fails(
     runtime: WasmRuntime, guest: Component
 ) -> None:
@@ -450,12 +468,14 @@ def test_an_ok_result_returns_and_an_err_result_fails(
     assert failed.error == "err: no"
 
 
+@pytest.mark.integration
 def test_a_trap_is_reported_with_its_cause(runtime: WasmRuntime, guest: Component) -> None:
     outcome = run(runtime, guest, "trap")
     assert outcome.status == "trapped"
     assert "unreachable" in (outcome.error or "")
 
 
+@pytest.mark.integration
 def test_a_host_exception_traps_the_guest(runtime: WasmRuntime, guest: Component) -> None:
     def block() -> None:
         raise ValueError("the host broke")
@@ -465,6 +485,7 @@ def test_a_host_exception_traps_the_guest(runtime: WasmRuntime, guest: Component
     assert outcome.error == "a host function failed: ValueError: the host broke"
 
 
+@pytest.mark.integration
 def test_stdout_and_stderr_reach_on_output(
     runtime: WasmRuntime, guest: Component, tmp_path: Path
 ) -> None:
@@ -475,6 +496,7 @@ def test_stdout_and_stderr_reach_on_output(
     assert sorted(output) == [("stderr", b"printed"), ("stdout", b"print me")]
 
 
+@pytest.mark.integration
 def test_an_endless_loop_stops_at_its_budget(runtime: WasmRuntime, guest: Component) -> None:
     outcome = run(runtime, guest, "loop", limits=SandboxLimits(budget_seconds=0.2))
     assert outcome.status == "timeout"
@@ -482,6 +504,7 @@ def test_an_endless_loop_stops_at_its_budget(runtime: WasmRuntime, guest: Compon
     assert 0.2 <= outcome.seconds < 1.0
 
 
+@pytest.mark.integration
 def test_the_kill_switch_stops_one_guest_and_spares_another(
     runtime: WasmRuntime, guest: Component
 ) -> None:
@@ -497,8 +520,10 @@ def test_the_kill_switch_stops_one_guest_and_spares_another(
     threads = [threading.Thread(target=looping), threading.Thread(target=counting)]
     for thread in threads:
         thread.start()
-    time.sleep(0.05)
-    assert runtime.statistics().running == 2
+    deadline = time.monotonic() + 10
+    while runtime.statistics().running < 2:  # the guest threads report nothing to wait on
+        assert time.monotonic() < deadline, "the two guests never ran at once"
+        time.sleep(0.005)
     kill.kill("the client went away")
     for thread in threads:
         thread.join(timeout=10)
@@ -510,23 +535,30 @@ def test_the_kill_switch_stops_one_guest_and_spares_another(
     assert outcomes["counting"].status == "returned"
 
 
+@pytest.mark.integration
 def test_a_guest_blocked_in_the_host_is_woken_by_the_kill_switch(
     runtime: WasmRuntime, guest: Component
 ) -> None:
     kill = KillSwitch()
-    woken = threading.Event()
+    blocked, woken = threading.Event(), threading.Event()
     kill.add_waker(woken.set)
 
     def block() -> None:
+        blocked.set()
         woken.wait(timeout=10)
         raise GuestStopped("killed", "woken up")
 
-    threading.Timer(0.05, kill.kill, args=("stop now",)).start()
+    def kill_once_blocked() -> None:
+        blocked.wait(timeout=10)
+        kill.kill("stop now")
+
+    threading.Thread(target=kill_once_blocked).start()
     outcome = run(runtime, guest, "host", block=block, kill=kill)
     assert (outcome.status, outcome.error) == ("killed", "stop now")
     assert outcome.seconds < 5
 
 
+@pytest.mark.integration
 def test_the_budget_wakes_a_guest_blocked_in_the_host(
     runtime: WasmRuntime, guest: Component
 ) -> None:
@@ -545,6 +577,7 @@ def test_the_budget_wakes_a_guest_blocked_in_the_host(
     assert outcome.seconds < 5
 
 
+@pytest.mark.integration
 def test_memory_growth_past_the_cap_is_a_memory_outcome(
     runtime: WasmRuntime, guest: Component
 ) -> None:
@@ -557,6 +590,7 @@ def test_memory_growth_past_the_cap_is_a_memory_outcome(
     assert output == [("stderr", b"memory allocation of 65536 bytes failed\n")]
 
 
+@pytest.mark.integration
 def test_a_cap_below_the_guests_first_memory_fails_at_start(
     runtime: WasmRuntime, guest: Component
 ) -> None:
@@ -565,6 +599,7 @@ def test_a_cap_below_the_guests_first_memory_fails_at_start(
     assert "exceeds memory limits" in (outcome.error or "")
 
 
+@pytest.mark.integration
 def test_a_component_without_run_fails_to_start(runtime: WasmRuntime) -> None:
     _, component = runtime.cache.load(wat("host_loop").encode())
     linker = runtime.new_linker()
@@ -580,6 +615,7 @@ def test_a_component_without_run_fails_to_start(runtime: WasmRuntime) -> None:
     )
 
 
+@pytest.mark.integration
 def test_a_missing_import_fails_to_start(runtime: WasmRuntime, guest: Component) -> None:
     outcome = runtime.run(
         guest,
@@ -593,6 +629,7 @@ def test_a_missing_import_fails_to_start(runtime: WasmRuntime, guest: Component)
     assert "block" in (outcome.error or "")
 
 
+@pytest.mark.integration
 def test_run_needs_a_started_runtime(tmp_path: Path, guest: Component) -> None:
     idle = WasmRuntime(tmp_path)
     with pytest.raises(RuntimeError, match="start"):
@@ -609,6 +646,7 @@ def test_run_needs_a_started_runtime(tmp_path: Path, guest: Component) -> None:
 # -- the kill switch ---------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_first_kill_wins_and_wakers_run_once() -> None:
     kill = KillSwitch()
     woken: list[str] = []

@@ -20,7 +20,7 @@ from pie.drivers.tokenizer import Tokenizer
 from scenarios._support import TEXT_COMPLETION, build, result_of
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 

@@ -22,6 +22,8 @@ from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixt
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 from tests.server_fixtures import PYTEST_CACHE, Raw, connect, serving
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def relay(built: Callable[[Path], Path], default_model_dir: Path) -> bytes:  # noqa: F811

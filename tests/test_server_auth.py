@@ -24,6 +24,7 @@ from pie.wire.challenge import sign_nonce
 from tests.server_fixtures import Raw, connect, serving
 
 
+@pytest.mark.unit
 def test_auth_is_off_for_loopback_by_default_and_on_elsewhere() -> None:
     assert not auth_required(ServerConfig(host="127.0.0.1"))
     assert not auth_required(ServerConfig(host="::1"))
@@ -48,6 +49,7 @@ def _key(tmp_path: Path) -> tuple[Path, str]:
     return private, public.decode()
 
 
+@pytest.mark.integration
 async def test_with_auth_on_only_a_good_token_or_signature_lets_a_user_in(
     tmp_path: Path,
 ) -> None:
@@ -77,6 +79,7 @@ async def test_with_auth_on_only_a_good_token_or_signature_lets_a_user_in(
                 assert replayed.kind == "unauthenticated"
 
 
+@pytest.mark.integration
 async def test_three_failed_authentications_close_the_connection(tmp_path: Path) -> None:
     users = UserStore(tmp_path / "users")
     users.add("ada")
@@ -98,6 +101,7 @@ def _started(instance: str) -> ev.InferletStarted:
     return ev.InferletStarted(instance=instance, program="p")
 
 
+@pytest.mark.unit
 def test_the_hub_keeps_the_newest_events_and_always_the_final_one() -> None:
     hub = Hub(event_buffer=3)
     hub.launched("i1", user="u", program="p", connection=1, queued=False)
@@ -109,6 +113,7 @@ def test_the_hub_keeps_the_newest_events_and_always_the_final_one() -> None:
     assert isinstance(replay[-1].event, ev.InferletReturned)
 
 
+@pytest.mark.unit
 def test_the_hub_delivers_to_every_attached_connection_and_checks_owners() -> None:
     hub = Hub()
     hub.launched("i1", user="u", program="p", connection=1, queued=True)
@@ -121,6 +126,7 @@ def test_the_hub_delivers_to_every_attached_connection_and_checks_owners() -> No
     assert refused.value.kind == "not-owner"
 
 
+@pytest.mark.unit
 def test_an_orphan_is_due_once_and_an_ended_record_is_forgotten_after_retention() -> None:
     hub = Hub(orphan_seconds=10, retain_seconds=5)
     hub.launched("i1", user="u", program="p", connection=1, queued=False)
@@ -143,6 +149,7 @@ def _chunk(data: bytes, index: int, count: int, size: int, digest: str) -> msg.U
     )
 
 
+@pytest.mark.unit
 def test_an_upload_in_chunks_reports_progress_then_yields_the_bytes() -> None:
     data = b"\0asm" + bytes(range(200))
     digest = hashlib.sha256(data).hexdigest()
@@ -155,6 +162,7 @@ def test_an_upload_in_chunks_reports_progress_then_yields_the_bytes() -> None:
     assert len(uploads) == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("index", "size", "kind"),
     [(1, 4, "bad-upload"), (0, 5000, "too-large"), (0, 3, "bad-upload")],

@@ -33,6 +33,8 @@ from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixt
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 from tests.server_fixtures import serving
 
+pytestmark = pytest.mark.integration
+
 LIMIT = 1 << 20
 """The frame limit the fuzzed server runs with (max_frame_mb=1)."""
 FUZZERS = 4
@@ -627,6 +629,7 @@ async def fuzz(url: str, plan: Plan, answers: collections.Counter[str]) -> None:
     failure kind or message type. Fails if the server closes the connection."""
     sent: list[Frame] = []
     answered: list[Any] = []
+    answer_came = trio.lowlevel.ParkingLot()
     launched = [""]
     async with await connect(url) as ws:
         assert isinstance(decode_server_frame(await ws.get_message()), msg.Welcome)
@@ -635,8 +638,8 @@ async def fuzz(url: str, plan: Plan, answers: collections.Counter[str]) -> None:
             async def send_all() -> None:
                 for index, (frame, _) in enumerate(plan):
                     if isinstance(frame, ToLatest):
-                        while len(answered) < index:
-                            await trio.sleep(0.005)
+                        while len(answered) < index:  # the latest launch may be among them
+                            await answer_came.park()
                         frame = frame.frame(launched[0])
                     sent.append(frame)
                     await ws.send_message(frame)
@@ -656,6 +659,7 @@ async def fuzz(url: str, plan: Plan, answers: collections.Counter[str]) -> None:
                 if isinstance(reply, msg.Launched):
                     launched[0] = reply.instance
                 answered.append(reply)
+                answer_came.unpark_all()
                 answers[reply.kind if isinstance(reply, msg.Failure) else type(reply).__name__] += 1
 
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from pie.drivers.tokenizer import Tokenizer
 
 pytest_plugins = ("model_fixtures",)
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 TEXTS = [
     "Hello world",

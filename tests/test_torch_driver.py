@@ -28,6 +28,8 @@ from pie.events.sampling import (
     rle_to_bools,
 )
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-5
 DEVICE = os.environ.get("PIE_TEST_DEVICE", "cpu")
 PAGE = 4

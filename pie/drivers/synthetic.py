@@ -21,9 +21,11 @@ from pie.events.sampling import (
     LogProbs,
     LogProbsOutput,
     RawLogits,
+    Rle,
     SlotOp,
     SlotOutput,
     TokenOutput,
+    rle_to_bools,
 )
 
 
@@ -52,28 +54,46 @@ class SyntheticDriver:
         self.batches: list[ForwardBatch] = []
 
     def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
-        pages = batch.kv_page_indices
-        if pages and (min(pages) < 0 or max(pages) >= self.info.num_pages):
-            raise DriverError("page index out of range")
+        self._check(batch)
+        vocab = self.info.vocab_size
+        allowed = [None if m is None else _allowed(m, vocab) for m in batch.logit_masks]
         started = time.perf_counter()
         self.batches.append(batch)
         outputs = [
-            self._read(batch.token_ids[t], op)
-            for t, op in zip(batch.slot_tokens, batch.slot_ops, strict=True)
+            self._read(batch.token_ids[t], op, allowed[r])
+            for r, t, op in zip(batch.slot_requests, batch.slot_tokens, batch.slot_ops, strict=True)
         ]
         _wait_until(started + self.pass_seconds)
         return outputs
 
-    def _read(self, token: int, op: SlotOp) -> SlotOutput:
-        following = (token + 1) % self.info.vocab_size
+    def _check(self, batch: ForwardBatch) -> None:
+        info = self.info
+        if batch.num_tokens > info.max_batch_tokens:
+            raise DriverError(f"batch has {batch.num_tokens} tokens, limit {info.max_batch_tokens}")
+        if batch.num_requests > info.max_batch_requests:
+            raise DriverError(
+                f"batch has {batch.num_requests} requests, limit {info.max_batch_requests}"
+            )
+        pages = [*batch.kv_page_indices, *(p for copy in batch.copies for p in copy)]
+        if pages and (min(pages) < 0 or max(pages) >= info.num_pages):
+            raise DriverError("page index out of range")
+
+    def _read(self, token: int, op: SlotOp, allowed: list[bool] | None) -> SlotOutput:
+        vocab = self.info.vocab_size
+        nominal = (token + 1) % vocab
+        following = nominal
+        if allowed is not None and not allowed[nominal]:
+            # Every allowed token's logit is 0 then; the first of them is the argmax.
+            following = allowed.index(True)
         if isinstance(op, SAMPLERS):
             return TokenOutput(token=following)
         if isinstance(op, Distribution):
             return DistributionOutput(tokens=(following,), probs=(1.0,))
         if isinstance(op, RawLogits):
-            return LogitsOutput(
-                values=tuple(1.0 if i == following else 0.0 for i in range(self.info.vocab_size))
-            )
+            values = [1.0 if i == nominal else 0.0 for i in range(vocab)]
+            if allowed is not None:
+                values = [v if ok else float("-inf") for v, ok in zip(values, allowed, strict=True)]
+            return LogitsOutput(values=tuple(values))
         if isinstance(op, LogProbs):
             return LogProbsOutput(
                 values=tuple(0.0 if t == following else float("-inf") for t in op.tokens)
@@ -81,6 +101,16 @@ class SyntheticDriver:
         if isinstance(op, Entropy):
             return EntropyOutput(value=0.0)
         raise DriverError(f"unknown slot op {op!r}")
+
+
+def _allowed(logit_mask: Rle, vocab_size: int) -> list[bool]:
+    try:
+        allowed = rle_to_bools(logit_mask, vocab_size)
+    except ValueError as err:
+        raise DriverError(f"logit mask: {err}") from None
+    if not any(allowed):
+        raise DriverError("logit mask allows no token")
+    return allowed
 
 
 _SPIN_SECONDS = 0.0003

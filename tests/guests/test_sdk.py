@@ -14,6 +14,8 @@ import pytest
 from tests.guests.fake_host import FakeHost, Message, run_guest
 from tests.inferlet_fixtures import GUESTS, build_inferlet  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def probe(build_inferlet: Callable[[Path], Path]) -> Path:  # noqa: F811
