@@ -6,9 +6,13 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from pie.actors.bus import BusCore
+import pytest
+
+from pie.actors.bus import BusCore, BusStatistics
 from pie.events import bus as ev
 from pie.events.kv import Done, RequestFailed
+
+pytestmark = pytest.mark.unit
 
 
 class Bus:
@@ -119,3 +123,74 @@ def test_statistics_count_queues_pulls_and_deliveries() -> None:
     assert (stats.queued_messages, stats.waiting_pulls) == (1, 1)
     assert (stats.topics, stats.subscriptions) == (1, 1)
     assert stats.delivered == 1
+
+
+def test_every_reply_carries_the_corr_of_its_command() -> None:
+    core = BusCore(max_queue=1)
+    assert core.handle(ev.Subscribe(corr=11, requester="s", topic="t")) == [("s", Done(corr=11))]
+    assert core.handle(ev.Publish(corr=12, requester="p", topic="t", message="m"))[-1] == (
+        "p",
+        Done(corr=12),
+    )
+    assert core.handle(ev.Push(corr=13, requester="p", queue="q", message="a")) == [
+        ("p", Done(corr=13))
+    ]
+    [(_, full)] = core.handle(ev.Push(corr=14, requester="p", queue="q", message="b"))
+    assert isinstance(full, RequestFailed) and full.corr == 14
+    assert core.handle(ev.Pull(corr=15, requester="c", queue="q")) == [
+        ("c", ev.Pulled(corr=15, queue="q", message="a"))
+    ]
+    assert core.handle(ev.Pull(corr=16, requester="c", queue="q")) == []
+    assert core.handle(ev.Push(corr=17, requester="p", queue="q", message="c")) == [
+        ("c", ev.Pulled(corr=16, queue="q", message="c")),
+        ("p", Done(corr=17)),
+    ]
+    assert core.handle(ev.Unsubscribe(corr=18, requester="s", topic="t")) == [("s", Done(corr=18))]
+    assert core.handle(ev.LeaveBus(corr=19, requester="s")) == [("s", Done(corr=19))]
+
+
+def test_leaving_or_unsubscribing_without_a_subscription_is_acknowledged() -> None:
+    bus = Bus()
+    bus.send(ev.Subscribe, "other", topic="t")
+    for make, fields in [
+        (ev.Unsubscribe, {"topic": "t"}),
+        (ev.Unsubscribe, {"topic": "nobody follows this"}),
+        (ev.LeaveBus, {}),
+    ]:
+        [(dst, reply)] = bus.send(make, "stranger", **fields)
+        assert dst == "stranger" and isinstance(reply, Done)
+    assert bus.core.statistics().subscriptions == 1
+
+
+def test_a_queue_holds_ten_thousand_messages_by_default() -> None:
+    bus = Bus(max_queue=BusCore().max_queue)
+    for i in range(10_000):
+        bus.push("q", str(i))
+    [(_, failed)] = bus.push("q", "one too many")
+    assert isinstance(failed, RequestFailed) and failed.kind == "overrun"
+
+
+def test_delivered_counts_every_message_handed_to_a_receiver() -> None:
+    bus = Bus()
+    for who in ("x", "y"):
+        bus.send(ev.Subscribe, who, topic="t")
+    bus.send(ev.Publish, "p", topic="t", message="first")
+    bus.push("q", "queued")
+    bus.pulled("q")
+    bus.send(ev.Pull, "c", queue="q")
+    bus.push("q", "to a waiting pull")
+    bus.send(ev.Publish, "p", topic="t", message="second")
+    bus.push("q", "left in the queue")
+    assert bus.core.statistics() == BusStatistics(
+        queues=1,
+        queued_messages=1,
+        waiting_pulls=0,
+        topics=1,
+        subscriptions=2,
+        delivered=6,
+    )
+
+
+def test_an_unknown_event_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="unexpected event object"):
+        BusCore().handle(object())

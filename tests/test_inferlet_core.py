@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pie.actors.inferlet import InferletCore, ProgramError, ProgramRegistry
+from pie.actors.inferlet.core import InferletStatistics
 from pie.events import inferlet as ev
 from pie.events.kv import Done, RequestFailed
+
+pytestmark = pytest.mark.unit
 
 WASM = b"\0asm\x0d\x00\x01\x00"
 
@@ -73,11 +76,61 @@ class TestAdmission:
             ev.InferletStarted(instance=ids[2], program=core.instances[ids[2]].program.hash),
         ) in out
 
+    def test_an_unknown_program_is_named_in_the_refusal(self) -> None:
+        core, _ = core_with_program()
+        [(_, failed)] = core.handle(
+            ev.LaunchInferlet(corr=7, requester="c", program="nope", input="")
+        )
+        assert "'nope'" in failed.message
+
+    def test_instances_are_numbered_in_launch_order(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        assert [launch(core, corr) for corr in (1, 2, 3)] == ["i1", "i2", "i3"]
+
+    def test_a_started_instance_carries_what_its_launcher_gave(self) -> None:
+        core, program = core_with_program()
+        request = ev.IncomingRequest(method="GET", path="/", query="", headers=(), body=b"")
+        out = core.handle(
+            ev.LaunchInferlet(
+                corr=5, requester="c", program="demo", input="{}", user="ann", request=request
+            )
+        )
+        assert out[0] == ("c", ev.InferletLaunched(corr=5, instance="i1", queued=False))
+        [started] = core.to_start
+        assert (started.launcher, started.user, started.input) == ("c", "ann", "{}")
+        assert started.request == request and started.program.hash == program
+
     def test_launch_reply_says_whether_it_was_queued(self) -> None:
         core, _ = core_with_program(max_concurrent=1)
         first = core.handle(ev.LaunchInferlet(corr=1, requester="c", program="demo", input=""))
         second = core.handle(ev.LaunchInferlet(corr=2, requester="c", program="demo", input=""))
         assert first[0][1].queued is False and second[0][1].queued is True
+
+    def test_ends_carry_the_instance_its_reason_and_its_time(self) -> None:
+        core, _ = core_with_program(max_concurrent=6)
+        finishes: list[tuple[str, dict[str, str], type, dict[str, str]]] = [
+            ("returned", {"result": "42"}, ev.InferletReturned, {"result": "42"}),
+            ("returned", {}, ev.InferletReturned, {"result": ""}),
+            ("killed", {"error": "by hand"}, ev.InferletTerminated, {"reason": "by hand"}),
+            ("killed", {}, ev.InferletTerminated, {"reason": "killed"}),
+            ("trapped", {"error": "oob"}, ev.InferletFailed, {"status": "trapped", "error": "oob"}),
+            ("memory", {}, ev.InferletFailed, {"status": "memory", "error": "memory"}),
+        ]
+        for corr, (status, fields, kind, expected) in enumerate(finishes, start=1):
+            instance = launch(core, corr)
+            out = finish(core, instance, status=status, seconds=1.5, **fields)
+            assert out == [("client:1", kind(instance=instance, seconds=1.5, **expected))]
+
+    def test_statistics_count_launches_and_each_kind_of_end(self) -> None:
+        core, _ = core_with_program(max_concurrent=2)
+        ids = [launch(core, corr) for corr in range(1, 6)]
+        core.handle(ev.TerminateInferlet(corr=9, requester="client:1", instance=ids[4]))
+        finish(core, ids[0])
+        finish(core, ids[1], status="failed", error="boom")
+        finish(core, ids[2], status="killed")
+        assert core.statistics() == InferletStatistics(
+            queued=0, running=1, launched=5, returned=1, failed=1, terminated=2, programs=1
+        )
 
     @pytest.mark.parametrize(
         ("status", "kind"),
@@ -106,6 +159,16 @@ class TestTerminate:
         assert out[0] == ("client:1", Done(corr=3))
         assert isinstance(out[1][1], ev.InferletTerminated) and core.statistics().queued == 0
 
+    def test_a_queued_instance_ends_as_terminated_by_the_requester(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        launch(core, 1)
+        queued = launch(core, 2)
+        out = core.handle(ev.TerminateInferlet(corr=3, requester="client:1", instance=queued))
+        assert out[1] == (
+            "client:1",
+            ev.InferletTerminated(instance=queued, reason="terminated by client:1", seconds=0.0),
+        )
+
     def test_a_running_instance_is_killed_by_the_shell(self) -> None:
         core, _ = core_with_program()
         instance = launch(core, 1)
@@ -124,6 +187,20 @@ class TestTerminate:
         out = core.handle(ev.TerminateInferlet(corr=4, requester="client:1", instance="i99"))
         assert out[0][1].kind == "no_such_inferlet"
 
+    def test_refusals_carry_the_corr_and_name_the_instance(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        commands = [
+            ev.TerminateInferlet(corr=2, requester="client:2", instance=instance),
+            ev.DetachInferlet(corr=3, requester="client:2", instance=instance),
+            ev.SendToInferlet(corr=4, requester="client:2", instance=instance, text="x"),
+            ev.DetachInferlet(corr=5, requester="client:1", instance="i99"),
+        ]
+        for command in commands:
+            [(dst, failed)] = core.handle(command)
+            assert dst == command.requester and isinstance(failed, RequestFailed)
+            assert failed.corr == command.corr and command.instance in failed.message
+
 
 class TestSessionsAndChildren:
     def test_messages_to_a_queued_instance_arrive_when_it_starts(self) -> None:
@@ -134,11 +211,27 @@ class TestSessionsAndChildren:
         out = finish(core, first)
         assert (f"inferlet:{queued}", ev.SessionInput(instance=queued, text="hi")) in out
 
+    def test_a_message_to_a_running_instance_goes_straight_to_it(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        send = ev.SendToInferlet(corr=2, requester="client:1", instance=instance, data=b"\x00")
+        assert core.handle(send) == [
+            ("client:1", Done(corr=2)),
+            (f"inferlet:{instance}", ev.SessionInput(instance=instance, data=b"\x00")),
+        ]
+
     def test_guest_output_goes_to_the_launcher(self) -> None:
         core, _ = core_with_program()
         instance = launch(core, 1)
         output = ev.InferletOutput(instance=instance, stream="stdout", text="hello\n")
         assert core.handle(output) == [("client:1", output)]
+
+    def test_output_of_an_instance_that_has_ended_is_dropped(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        finish(core, instance)
+        late = ev.InferletOutput(instance=instance, stream="stdout", text="late\n")
+        assert core.handle(late) == []
 
     def test_children_end_with_their_parent(self) -> None:
         core, _ = core_with_program(max_concurrent=2)
@@ -178,3 +271,9 @@ class TestSessionsAndChildren:
         launch(core, 2)
         core.stop_all("shutdown")
         assert core.to_kill == [(running, "shutdown")] and core.statistics().queued == 0
+
+
+def test_an_unknown_event_is_refused_by_name() -> None:
+    core, _ = core_with_program()
+    with pytest.raises(TypeError, match="unexpected event object"):
+        core.handle(object())

@@ -1,6 +1,6 @@
 """The kv core driven directly: placing passes in pages, fork and copy-on-write, snapshots,
-truncation, prefix sharing, reserved pages, failures that leave no trace, and a long random
-churn."""
+truncation, prefix sharing, reserved pages, leases for the fast path, failures that leave no
+trace, and a long random churn."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from typing import Any
 import pytest
 
 from pie.actors.kv import KvCore
+from pie.actors.kv.core import KvStatistics
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
-from pie.events.sampling import Argmax, LogProbs, SamplingSlot
+from pie.events.sampling import Argmax, Entropy, LogProbs, SamplingSlot, TopP
+from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
+
+pytestmark = pytest.mark.unit
 
 PAGE = 4
 
@@ -90,6 +94,44 @@ def test_submit_places_tokens_in_pages_and_continues_positions() -> None:
     assert second.pages[:2] == first.pages and len(second.pages) == 3
     assert second.copies == ()
     assert kv.pool.free == 32 - 3
+
+
+def test_contexts_are_numbered_from_one_in_creation_order() -> None:
+    kv = Kv()
+    assert [kv.create() for _ in range(3)] == [1, 2, 3]
+
+
+def test_the_placed_request_carries_what_was_submitted() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    kv.ok(ev.MaskPages, context=context, pages=(0,))
+    slots = (SamplingSlot(index=1, op=Argmax()),)
+    submit = ev.SubmitForward(
+        corr=50,
+        requester="a",
+        context=context,
+        tokens=(6, 7),
+        attention_masks=((6,), (7,)),
+        logit_mask=(100,),
+        slots=slots,
+    )
+    [(_, placed)] = kv.core.handle(submit)
+    assert placed.request == ForwardRequest(
+        corr=50,
+        requester="a",
+        context=context,
+        tokens=(6, 7),
+        positions=(5, 6),
+        kv_start=5,
+        pages=tuple(kv.pages(context)),
+        masked_pages=(0,),
+        attention_masks=((6,), (7,)),
+        logit_mask=(100,),
+        slots=slots,
+        copies=(),
+        lease=None,
+    )
 
 
 def test_a_context_runs_one_pass_at_a_time() -> None:
@@ -259,6 +301,26 @@ def test_writing_after_truncating_a_committed_page_of_ones_own_copies_it() -> No
     assert kv.pool.free == 31
 
 
+def test_truncating_nothing_changes_nothing() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3])
+    before = kv.core.state()
+    kv.ok(ev.TruncateContext, context=context, count=0)
+    assert kv.core.state() == before
+
+
+def test_truncating_drops_the_masks_of_the_pages_it_removes() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, list(range(1, 10)))
+    kv.ok(ev.MaskPages, context=context, pages=(0, 1, 2))
+    kv.ok(ev.TruncateContext, context=context, count=5)
+    assert kv.describe(context).masked_pages == (0,)
+    kv.write(context, [5, 6])
+    assert kv.submit(context, [7]).masked_pages == (0,)
+
+
 def test_masked_pages_reach_the_placed_request() -> None:
     kv = Kv()
     context = kv.create()
@@ -298,6 +360,58 @@ def test_a_different_position_is_a_different_page() -> None:
     kv.apply(kv.submit(second, [1, 2, 3, 4], positions=(1, 2, 3, 4)))
     assert kv.pages(first) != kv.pages(second)
     assert kv.core.statistics().shared_page_hits == 0
+
+
+def test_contexts_share_committed_pages_only_under_the_same_attention_masks() -> None:
+    kv = Kv()
+    causal = ((1,), (2,), (3,), (4,))
+    own_token_only = ((0, 1), (1, 1), (2, 1), (3, 1))
+    first, second, third = kv.create(), kv.create(), kv.create()
+    kv.apply(kv.submit(first, [1, 2, 3, 4], attention_masks=causal))
+    kv.apply(kv.submit(second, [1, 2, 3, 4], attention_masks=own_token_only))
+    assert kv.pages(first) != kv.pages(second)
+    assert kv.core.statistics().shared_page_hits == 0
+    kv.apply(kv.submit(third, [1, 2, 3, 4], attention_masks=causal))
+    assert kv.pages(third) == kv.pages(first)
+
+
+def test_different_tokens_at_the_same_positions_are_different_pages() -> None:
+    kv = Kv()
+    first, second = kv.create(), kv.create()
+    kv.write(first, [1, 2, 3, 4])
+    kv.write(second, [1, 2, 3, 5])
+    assert kv.pages(first) != kv.pages(second)
+    assert kv.core.statistics().shared_page_hits == 0
+
+
+def test_a_page_is_shared_only_when_every_page_before_it_matches_too() -> None:
+    kv = Kv()
+    first, second = kv.create(), kv.create()
+    kv.write(first, [1, 2, 3, 4, 5, 6, 7, 8])
+    kv.write(second, [9, 2, 3, 4, 5, 6, 7, 8])
+    assert kv.pages(first)[1] != kv.pages(second)[1]
+    assert kv.core.statistics().shared_page_hits == 0
+
+
+def test_a_full_page_is_shared_whatever_follows_it() -> None:
+    kv = Kv()
+    first, second = kv.create(), kv.create()
+    kv.write(first, [1, 2, 3, 4, 5])
+    kv.apply(kv.submit(second, [1, 2, 3, 4, 9], positions=(0, 1, 2, 3, 10)))
+    assert kv.pages(second)[0] == kv.pages(first)[0]
+    assert kv.core.statistics().shared_page_hits == 1
+
+
+def test_pages_written_under_different_masked_pages_are_not_shared() -> None:
+    kv = Kv()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    contexts = [kv.create() for _ in range(3)]
+    for context, masked in zip(contexts, [(0,), (1,), (0,)], strict=True):
+        kv.write(context, prompt)
+        kv.ok(ev.MaskPages, context=context, pages=masked)
+        kv.write(context, [9, 10, 11, 12])
+    first, second, third = (kv.pages(c)[2] for c in contexts)
+    assert first != second and third == first
 
 
 def test_running_out_of_pages_fails_the_request_and_changes_nothing() -> None:
@@ -532,6 +646,287 @@ def test_a_late_or_repeated_pass_applied_is_ignored() -> None:
     before = kv.core.state()
     kv.apply(request)
     kv.apply(request, ok=False)
+    assert kv.core.state() == before
+
+
+def test_a_page_size_of_one_holds_one_token_per_page() -> None:
+    core = KvCore(num_pages=4, page_size=1, vocab_size=10)
+    [(_, created)] = core.handle(ev.CreateContext(corr=1, requester="a"))
+    submit = ev.SubmitForward(corr=2, requester="a", context=created.context, tokens=(1, 2, 3))
+    [(_, placed)] = core.handle(submit)
+    assert len(placed.request.pages) == 3 and core.pool.free == 1
+
+
+def test_a_page_size_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        KvCore(num_pages=4, page_size=0, vocab_size=10)
+
+
+def test_describe_reports_the_whole_context() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.apply(kv.submit(context, [1, 2, 3, 4, 5], positions=(10, 11, 12, 13, 14)))
+    kv.ok(ev.MaskPages, context=context, pages=(1,))
+    kv.reserve(context, 4)
+    [(_, info)] = kv.core.handle(ev.DescribeContext(corr=7, requester="a", context=context))
+    assert info == ev.ContextInfo(
+        corr=7,
+        context=context,
+        tokens=(1, 2, 3, 4, 5),
+        positions=(10, 11, 12, 13, 14),
+        pages=2,
+        masked_pages=(1,),
+        reserved_pages=1,
+    )
+
+
+def test_every_reply_carries_the_corr_of_its_command() -> None:
+    kv = Kv(num_pages=4)
+    context = kv.create()
+    kv.write(context, [1, 2])
+    commands = [
+        ev.CreateContext(corr=101, requester="a"),
+        ev.ForkContext(corr=102, requester="a", context=context),
+        ev.SaveContext(corr=103, requester="a", context=context, name="s"),
+        ev.OpenContext(corr=104, requester="a", name="s"),
+        ev.DeleteSnapshot(corr=105, requester="a", name="s"),
+        ev.ReserveTokens(corr=106, requester="a", context=context, count=1),
+        ev.MaskPages(corr=107, requester="a", context=context, pages=(0,)),
+        ev.TruncateContext(corr=108, requester="a", context=context, count=1),
+        ev.DescribeContext(corr=109, requester="a", context=context),
+        ev.SubmitForward(corr=110, requester="a", context=context, tokens=tuple(range(20))),
+        ev.DestroyContext(corr=111, requester="a", context=context),
+        ev.DescribeContext(corr=112, requester="a", context=context),
+        ev.ReleaseRequester(corr=113, requester="a"),
+    ]
+    for command in commands:
+        [(dst, reply)] = kv.core.handle(command)
+        assert (dst, reply.corr) == ("a", command.corr), reply
+
+
+def test_refusals_say_what_was_wrong() -> None:
+    kv = Kv(num_pages=3)
+    context = kv.create()
+    kv.write(context, list(range(1, 10)))
+    kv.ok(ev.SaveContext, context=context, name="n")
+    refusals: list[tuple[Any, str, dict[str, Any], str]] = [
+        (ev.DescribeContext, "b", {"context": context}, "belongs to another requester"),
+        (ev.OpenContext, "a", {"name": "x"}, "no snapshot named 'x'"),
+        (ev.SaveContext, "a", {"context": context, "name": "n"}, "snapshot named 'n' exists"),
+        (ev.ReserveTokens, "a", {"context": context, "count": -1}, "cannot reserve -1 tokens"),
+        (ev.MaskPages, "a", {"context": context, "pages": (3,)}, "[3] outside 0..2"),
+        (ev.SubmitForward, "a", {"context": context, "tokens": (1,) * 4}, "free KV pages"),
+    ]
+    for make, requester, fields, words in refusals:
+        assert words in kv.refused(make, requester, **fields).message
+
+
+@pytest.mark.parametrize(
+    ("make", "fields", "verb"),
+    [
+        (ev.SubmitForward, {"tokens": (1,)}, "submit a pass to"),
+        (ev.ForkContext, {}, "fork"),
+        (ev.SaveContext, {"name": "n"}, "save"),
+        (ev.TruncateContext, {"count": 1}, "truncate"),
+        (ev.MaskPages, {"pages": (0,)}, "mask pages of"),
+    ],
+)
+def test_a_busy_context_refusal_says_what_could_not_be_done(
+    make: Any, fields: dict[str, Any], verb: str
+) -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.submit(context, [1, 2])
+    failed = kv.refused(make, context=context, **fields)
+    assert failed.kind == "busy"
+    assert failed.message == f"cannot {verb} a context while its pass is in flight"
+
+
+def test_a_release_nobody_waits_for_answers_nothing() -> None:
+    kv = Kv()
+    kv.create()
+    assert kv.core.handle(ev.ReleaseRequester(corr=1, requester="a", reply=False)) == []
+    assert kv.core.contexts == {}
+
+
+def test_an_unknown_event_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="unexpected event object"):
+        Kv().core.handle(object())
+
+
+def test_statistics_describe_the_page_table() -> None:
+    kv = Kv()
+    parent = kv.create()
+    kv.write(parent, [1, 2, 3, 4, 5, 6])
+    for _ in range(2):
+        kv.write(kv.fork(parent), [7])
+    kv.ok(ev.SaveContext, context=parent, name="s")
+    kv.write(kv.create(), [1, 2, 3, 4])
+    kv.submit(kv.create(), [1, 2, 3, 4, 5])
+    assert kv.core.statistics() == KvStatistics(
+        page_size=PAGE,
+        pages_total=32,
+        pages_free=32 - 6,
+        contexts=5,
+        snapshots=1,
+        passes_in_flight=1,
+        shared_page_hits=1,
+        tail_copies=2,
+        leases=0,
+    )
+
+
+# -- leases: a context's plain decodes on the fast path ----------------------------------------
+
+
+def fast_decode(kv: Kv, context: int, tokens: Any = (6,), **fields: Any) -> ForwardRequest:
+    """A pass that asks for a lease: a plain sampler at its last token, unless `fields` say
+    otherwise."""
+    fields.setdefault("slots", (SamplingSlot(index=len(tokens) - 1, op=TopP(p=0.9)),))
+    fields.setdefault("fast", True)
+    return kv.submit(context, tokens, **fields)
+
+
+def lane_pass(kv: Kv, lease: Lease, token: int, step: int = 0, page: int = 0) -> list[Any]:
+    """The fast path reporting that the `step`th token decoded on `lease` reached its program."""
+    applied = LanePassApplied(
+        lease=lease.lease,
+        context=lease.context,
+        corr=0,
+        token=token,
+        position=lease.next_position + step,
+        page=page,
+        staged=False,
+        outputs=(),
+    )
+    return kv.core.handle(applied)
+
+
+def test_a_plain_decode_asking_for_the_fast_path_is_granted_a_lease() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    reserved = kv.reserve(context, 4)
+    placed = fast_decode(kv, context)
+    assert placed.lease == Lease(
+        lease=1,
+        context=context,
+        requester="a",
+        pages=(*kv.pages(context), *reserved),
+        owned=2,
+        masked_pages=(),
+        next_slot=6,
+        next_position=6,
+        op=TopP(p=0.9),
+    )
+    assert kv.core.statistics().leases == 1
+
+
+@pytest.mark.parametrize(
+    ("tokens", "fields"),
+    [
+        ((6,), {"fast": False}),
+        ((6,), {"slots": (SamplingSlot(index=0, op=Argmax()),) * 2}),
+        ((6, 7), {"slots": (SamplingSlot(index=0, op=Argmax()),)}),
+        ((6,), {"slots": (SamplingSlot(index=0, op=Entropy()),)}),
+        ((6,), {"slots": ()}),
+        ((6,), {"attention_masks": ((6,),)}),
+        ((6,), {"logit_mask": (100,)}),
+        ((6, 7, 8), {}),
+    ],
+    ids=[
+        "not asked",
+        "two slots",
+        "slot before the end",
+        "a probe",
+        "no slot",
+        "attention masks",
+        "a logit mask",
+        "no room left",
+    ],
+)
+def test_only_a_plain_decode_with_room_left_is_granted_a_lease(
+    tokens: tuple[int, ...], fields: dict[str, Any]
+) -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    placed = fast_decode(kv, context, tokens, **fields)
+    assert placed.lease is None and kv.core.leases == {}
+
+
+def test_a_lease_pins_its_pages_until_it_is_released() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    kv.reserve(context, 4)
+    placed = fast_decode(kv, context)
+    kv.apply(placed)
+    kv.ok(ev.DestroyContext, context=context)
+    assert kv.pool.free == 32 - 3
+    assert placed.lease is not None
+    released = LeaseReleased(lease=placed.lease.lease, context=context)
+    assert kv.core.handle(released) == []
+    assert kv.pool.free == 32 and kv.core.statistics().leases == 0
+    assert kv.core.handle(released) == [] and kv.pool.free == 32
+
+
+def test_lane_passes_extend_the_context_and_commit_its_full_pages() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3])
+    [reserved] = kv.reserve(context, 4)
+    placed = fast_decode(kv, context, (4,))
+    kv.apply(placed)
+    assert placed.lease is not None
+    for step, token in enumerate((5, 6, 7, 8)):
+        assert lane_pass(kv, placed.lease, token, step, page=reserved) == []
+    info = kv.describe(context)
+    assert info.tokens == tuple(range(1, 9)) and info.positions == tuple(range(8))
+    assert (info.pages, info.reserved_pages) == (2, 0)
+    other = kv.create()
+    kv.write(other, range(1, 9))
+    assert kv.pages(other) == kv.pages(context)
+
+
+def test_leases_are_numbered_and_a_pass_granted_none_ends_the_last_one() -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    first = fast_decode(kv, context)
+    kv.apply(first)
+    second = fast_decode(kv, context, (7,))
+    kv.apply(second)
+    assert first.lease is not None and second.lease is not None
+    assert (first.lease.lease, second.lease.lease) == (1, 2)
+    kv.apply(fast_decode(kv, context, (8,), slots=(SamplingSlot(index=0, op=Entropy()),)))
+    before = kv.core.state()
+    lane_pass(kv, second.lease, 9)
+    assert kv.core.state() == before
+
+
+@pytest.mark.parametrize(
+    ("make", "fields"),
+    [
+        (ev.TruncateContext, {"count": 1}),
+        (ev.MaskPages, {"pages": (0,)}),
+        (ev.SaveContext, {"name": "n"}),
+        (ev.ForkContext, {}),
+        (ev.DestroyContext, {}),
+    ],
+)
+def test_a_lane_pass_after_the_context_left_the_fast_path_is_ignored(
+    make: Any, fields: dict[str, Any]
+) -> None:
+    kv = Kv()
+    context = kv.create()
+    kv.write(context, [1, 2, 3, 4, 5])
+    placed = fast_decode(kv, context)
+    kv.apply(placed)
+    assert placed.lease is not None
+    kv.ok(make, context=context, **fields)
+    before = kv.core.state()
+    assert lane_pass(kv, placed.lease, 7) == []
     assert kv.core.state() == before
 
 

@@ -28,6 +28,8 @@ from pie.events.sampling import (
     TopP,
 )
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 24
 DRAWS = 4000
 
@@ -69,6 +71,16 @@ def test_top_k_only_draws_from_the_k_best(logits: torch.Tensor) -> None:
     assert set(drawn(logits, TopK(k=5))) == best(logits, 5)
 
 
+def test_a_seeded_top_k_slot_draws_from_all_k_best_on_its_own(logits: torch.Tensor) -> None:
+    """A seeded slot is drawn alone, as a batch of one row: k still counts tokens, not rows."""
+    tokens = set()
+    for seed in range(300):
+        [out] = read_slots(logits[None], [TopK(k=5, seed=seed)], torch.Generator())
+        assert isinstance(out, TokenOutput)
+        tokens.add(out.token)
+    assert tokens == best(logits, 5)
+
+
 def test_top_p_only_draws_from_the_nucleus(logits: torch.Tensor) -> None:
     allowed = nucleus(logits.softmax(-1), 0.7)
     assert 1 < len(allowed) < VOCAB
@@ -81,10 +93,19 @@ def test_top_p_keeps_at_least_one_token(logits: torch.Tensor) -> None:
     assert set(drawn(peaked, TopP(p=0.01), count=200)) == {3}
 
 
+def test_top_p_stops_at_the_token_whose_mass_reaches_p() -> None:
+    """Four equally likely tokens: two of them reach p = 0.5 exactly, so two are kept."""
+    assert len(set(drawn(torch.zeros(4), TopP(p=0.5), count=400))) == 2
+
+
 def test_min_p_never_draws_below_the_threshold(logits: torch.Tensor) -> None:
     probs = logits.softmax(-1)
     allowed = {t for t in range(VOCAB) if probs[t] >= 0.2 * probs.max()}
     assert set(drawn(logits, MinP(p=0.2))) == allowed
+
+
+def test_min_p_keeps_tokens_exactly_at_the_threshold() -> None:
+    assert set(drawn(torch.zeros(4), MinP(p=1.0), count=400)) == {0, 1, 2, 3}
 
 
 def test_top_k_top_p_applies_both_filters(logits: torch.Tensor) -> None:
@@ -140,6 +161,14 @@ def test_seeded_draw_is_independent_of_call_and_batch(logits: torch.Tensor, op: 
     rows = torch.cat([others[:1], logits[None], others[1:4], logits[None]])
     batched = read_slots(rows, ops_around, torch.Generator().manual_seed(5))
     assert alone == again == [batched[1]] == [batched[5]]
+
+
+def test_unseeded_draws_follow_the_generator_they_are_given(logits: torch.Tensor) -> None:
+    rows = logits.expand(50, -1)
+    ops: list[SlotOp] = [Multinomial(), TopK(k=8)] * 25
+    first = read_slots(rows, ops, torch.Generator().manual_seed(3))
+    second = read_slots(rows, ops, torch.Generator().manual_seed(3))
+    assert first == second
 
 
 def test_different_seeds_give_different_draws(logits: torch.Tensor) -> None:

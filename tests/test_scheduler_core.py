@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from pie.actors.scheduler import BatchPolicy, SchedulerCore
+from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
 from pie.events.batching import ExecuteBatch
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import Argmax, Entropy, SamplingSlot
 from pie.events.speculation import Lease
+
+pytestmark = pytest.mark.unit
 
 
 def request(
@@ -119,6 +121,14 @@ def test_a_chunk_without_slots_carries_none() -> None:
     assert last.slots == (SamplingSlot(index=3, op=Argmax()),) and last.slot_positions == (0,)
 
 
+def test_a_slot_on_a_chunk_boundary_goes_with_the_chunk_it_starts() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
+    core.submit(request(1, 8, slots=(SamplingSlot(index=4, op=Argmax()),)), now=0.0)
+    first, last = (b.requests[0] for b in drain(core))
+    assert (first.slots, first.slot_positions) == ((), ())
+    assert last.slots == (SamplingSlot(index=0, op=Argmax()),) and last.slot_positions == (0,)
+
+
 def test_chunks_continue_from_the_requests_kv_start() -> None:
     core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
     core.submit(
@@ -175,6 +185,41 @@ def test_the_watchdog_fires_when_an_awaited_context_stays_quiet() -> None:
     assert core.next_batch(1.49) is None
     batch = core.next_batch(1.5)
     assert batch is not None and [r.corr for r in batch.requests] == [3]
+
+
+def test_the_watchdog_waits_longer_after_contexts_came_back_slowly() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for corr in (1, 2):
+        core.submit(request(corr), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(3, context=1), now=1.2)
+    core.submit(request(4, context=2), now=1.45)
+    assert core.next_batch(1.45) is not None
+    core.pass_finished(0.5, now=2.0)
+    core.submit(request(5, context=1), now=2.0)
+    assert core.deadline() == pytest.approx(2.0 + 1.25 * 0.45)
+
+
+def test_the_watchdog_never_waits_more_than_two_pass_times() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for corr in (1, 2):
+        core.submit(request(corr), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(3, context=1), now=1.9)
+    core.submit(request(4, context=2), now=1.9)
+    assert core.next_batch(1.9) is not None
+    core.pass_finished(0.5, now=2.5)
+    core.submit(request(5, context=1), now=2.5)
+    assert core.deadline() == pytest.approx(3.5)
+
+
+def test_before_the_first_pass_queued_work_is_due_at_once() -> None:
+    core = SchedulerCore(BatchPolicy())
+    core.submit(request(1), now=0.0)
+    deadline = core.deadline()
+    assert deadline is not None and deadline <= 0.0
 
 
 def test_a_context_granted_a_lease_is_not_awaited() -> None:
@@ -238,6 +283,48 @@ def test_it_fires_at_once_when_the_queue_fills_the_token_budget() -> None:
     assert core.next_batch(10.0) is not None
 
 
+def test_a_queue_that_fills_the_token_budget_fires_before_the_watchdog() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=8))
+    for corr in (1, 2):
+        core.submit(request(corr), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(3, 7), now=1.0)
+    assert core.next_batch(1.0) is None
+    core.submit(request(4, 1), now=1.1)
+    batch = core.next_batch(1.1)
+    assert batch is not None and [r.corr for r in batch.requests] == [3, 4]
+
+
+def test_a_queue_that_reaches_the_request_limit_fires_before_the_watchdog() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_requests=2))
+    for corr in (1, 2):
+        core.submit(request(corr), now=0.0)
+    assert core.next_batch(0.0) is not None
+    core.pass_finished(0.5, now=1.0)
+    core.submit(request(3), now=1.0)
+    assert core.next_batch(1.0) is None
+    core.submit(request(4), now=1.1)
+    batch = core.next_batch(1.1)
+    assert batch is not None and [r.corr for r in batch.requests] == [3, 4]
+
+
+def test_a_split_prefill_counts_only_its_unsent_tokens_toward_the_budget() -> None:
+    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    core.submit(request(1), now=0.0)
+    core.submit(request(2, 15), now=0.0)
+    first = core.next_batch(0.0)
+    assert first is not None and [len(r.tokens) for r in first.requests] == [1, 9]
+    core.pass_finished(0.5, now=1.0)
+    assert core.next_batch(1.0) is None
+    core.submit(request(3, context=1), now=1.1)
+    batch = core.next_batch(1.1)
+    assert batch is not None and [(r.corr, len(r.tokens)) for r in batch.requests] == [
+        (2, 6),
+        (3, 1),
+    ]
+
+
 def test_nothing_fires_while_a_pass_is_in_flight() -> None:
     core = SchedulerCore(BatchPolicy())
     core.submit(request(1), now=0.0)
@@ -270,6 +357,47 @@ def test_statistics_describe_the_batches() -> None:
     assert stats.max_batch_size == 3 and stats.last_batch_size == 1
     assert stats.mean_batch_size == pytest.approx(2.0)
     assert stats.last_pass_seconds == 0.125 and stats.pending == 0 and not stats.in_flight
+
+
+def test_a_fresh_scheduler_reports_empty_statistics() -> None:
+    assert SchedulerCore(BatchPolicy()).statistics() == SchedulerStatistics(
+        batches=0,
+        requests=0,
+        tokens=0,
+        chunks=0,
+        pending=0,
+        in_flight=False,
+        last_batch_size=0,
+        max_batch_size=0,
+        mean_batch_size=0.0,
+        last_pass_seconds=0.0,
+        batch_size_histogram=(),
+    )
+
+
+def test_statistics_count_every_batch_of_a_size() -> None:
+    core = SchedulerCore(BatchPolicy())
+    for corr in (1, 2, 3):
+        core.submit(request(corr, 2, context=1), now=0.0)
+        fire(core, seconds=0.25)
+    assert core.statistics() == SchedulerStatistics(
+        batches=3,
+        requests=3,
+        tokens=6,
+        chunks=0,
+        pending=0,
+        in_flight=False,
+        last_batch_size=1,
+        max_batch_size=1,
+        mean_batch_size=1.0,
+        last_pass_seconds=0.25,
+        batch_size_histogram=((1, 3),),
+    )
+
+
+def test_limits_of_one_are_accepted() -> None:
+    policy = BatchPolicy(max_batch_tokens=1, max_batch_requests=1)
+    assert (policy.max_batch_tokens, policy.max_batch_requests) == (1, 1)
 
 
 def test_limits_below_one_are_refused() -> None:

@@ -1,7 +1,8 @@
 """The fast path and speculation on the real default model (SmolLM2-135M, float32): every kind
 of decode gives the same tokens with the fast path off, at depth 0, 1 and 4; an inferlet that
 changes course mid-generation is served correctly; pages and leases all come back; the kv
-actor's inputs replay exactly; the speculator counts what happened."""
+actor's inputs replay exactly; the speculator counts what happened. The speculator's pure core,
+which adds up the counts, is tested on its own without the model."""
 
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ import pytest
 import trio
 
 from pie.actors.kv import KvCore
+from pie.actors.speculator import SpeculationStatistics, SpeculatorCore
 from pie.config import EngineConfig, with_overrides
 from pie.engine import Engine, open_engine
 from pie.eventlog.replay import replay
-from pie.events.speculation import LanePassApplied
+from pie.events.speculation import LanePassApplied, SpeculationTally
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir, real_model  # noqa: F401  (fixture)
-
-pytestmark = pytest.mark.slow
 
 SETTINGS = {
     "off": {"fast_path": False},
@@ -67,6 +67,7 @@ def assert_everything_returned(engine: Engine) -> None:
     assert kv.leases == 0 and kv.contexts == 0 and kv.passes_in_flight == 0
 
 
+@pytest.mark.model
 async def test_every_decode_gives_the_same_tokens_at_every_depth(
     real: tuple[EngineConfig, Any, Any], probe: bytes
 ) -> None:
@@ -96,6 +97,7 @@ async def test_every_decode_gives_the_same_tokens_at_every_depth(
         assert counts[name].hits >= 0.8 * counts[name].staged, counts[name]
 
 
+@pytest.mark.model
 async def test_the_kv_actors_inputs_replay_exactly_with_speculation(
     real: tuple[EngineConfig, Any, Any], probe: bytes
 ) -> None:
@@ -118,3 +120,31 @@ async def test_the_kv_actors_inputs_replay_exactly_with_speculation(
     assert core.state() == live
     hits = [r.event for r in records if isinstance(r.event, LanePassApplied) and r.event.staged]
     assert len(hits) > 10
+
+
+@pytest.mark.unit
+def test_the_speculator_adds_up_the_tallies_of_every_pass() -> None:
+    core = SpeculatorCore(depth=4)
+    tallies = [
+        SpeculationTally(staged=3, hits=2, wasted_passes=1, direct=1, leases=1),
+        SpeculationTally(staged=2, hits=2, misses=1, dropped_chains=1, direct=4),
+    ]
+    assert [core.handle(tally) for tally in tallies] == [[], []]
+    statistics = core.statistics()
+    assert statistics == SpeculationStatistics(
+        depth=4,
+        staged=5,
+        hits=4,
+        misses=1,
+        dropped_chains=1,
+        wasted_passes=1,
+        direct=5,
+        leases=1,
+    )
+    assert statistics.hit_rate == pytest.approx(0.8)
+
+
+@pytest.mark.unit
+def test_the_speculator_refuses_anything_but_a_tally() -> None:
+    with pytest.raises(TypeError, match="unexpected event object"):
+        SpeculatorCore(depth=1).handle(object())

@@ -41,7 +41,6 @@ class SchedulerStatistics:
 @define
 class _Work:
     request: ForwardRequest
-    arrived: float
     offset: int = 0
 
 
@@ -76,7 +75,7 @@ class SchedulerCore:
         self._histogram: collections.Counter[int] = collections.Counter()
 
     def submit(self, request: ForwardRequest, now: float) -> None:
-        self._queue.append(_Work(request, now))
+        self._queue.append(_Work(request))
         if request.context in self._awaited:
             self._awaited.discard(request.context)
             self._slowest_return = max(self._slowest_return, now - self._finished_at)
