@@ -1,5 +1,5 @@
-"""Engine configuration: a TOML file with sections [model], [kv], [scheduler], [event_log],
-[sandbox], [network], [mcp], [server].
+"""Engine configuration: a TOML file with sections [model], [driver], [kv], [scheduler],
+[event_log], [sandbox], [network], [mcp], [server], [http].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -53,6 +53,18 @@ class ModelConfig:
 
 
 @frozen(kw_only=True)
+class DriverConfig:
+    """How the driver shares the machine's cores with the engine's other threads."""
+
+    threads: int = field(default=0, validator=_at_least(0))
+    """torch's CPU threads; 0: the usable cores minus one (at least 1), leaving a core to the
+    event loop, the pass loop's helper thread and the guests."""
+    omp_wait_policy: str = field(default="passive", validator=_choice("passive", "active"))
+    """OMP_WAIT_POLICY when the environment does not set it: passive threads sleep between
+    parallel regions, active ones spin and hold their cores."""
+
+
+@frozen(kw_only=True)
 class KvConfig:
     page_size: int = field(default=16, validator=_at_least(1))
     num_pages: int = field(default=0, validator=_at_least(0))
@@ -60,12 +72,18 @@ class KvConfig:
     memory_mb: int = field(default=1024, validator=_at_least(1))
     memory_fraction: float = 0.5
     """Of the GPU memory still free after loading the model."""
+    prefix_cache: str = field(default="user", validator=_choice("off", "user", "global"))
+    """Which contexts reuse each other's committed pages instead of computing them again: none,
+    a user's own (so no program learns another user's prompts from how fast its pass ran), or
+    every context's."""
 
 
 @frozen(kw_only=True)
 class SchedulerConfig:
     max_batch_tokens: int = field(default=512, validator=_at_least(1))
     max_batch_requests: int = field(default=64, validator=_at_least(1))
+    decode_tokens: int = field(default=16, validator=_at_least(1))
+    """Requests of at most this many tokens are served before prefill chunks in each pass."""
     fast_path: bool = True
     """Run inferlets' plain decodes on the driver thread (leases), without Trio round trips."""
     speculation_depth: int = field(default=1, validator=_at_least(0))
@@ -78,6 +96,9 @@ class EventLogConfig:
     ring_size: int = field(default=100_000, validator=_at_least(0))
     path: str = ""
     """When set, every event is also appended to this JSON-lines file."""
+    max_unwritten: int = field(default=100_000, validator=_at_least(1))
+    """Records the file writer may fall behind by; past that, records are left out of the file
+    (which marks the gap) until it catches up by half."""
 
 
 @frozen(kw_only=True)
@@ -269,6 +290,7 @@ class HttpConfig:
 @frozen(kw_only=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
+    driver: DriverConfig = DriverConfig()
     kv: KvConfig = KvConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     event_log: EventLogConfig = EventLogConfig()
@@ -284,6 +306,16 @@ class ConfigError(ValueError):
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _integer(data: Any, _: Any) -> int:
+    # cattrs alone would truncate 2.5 to 2 and parse "2": an integer key takes a TOML integer.
+    if type(data) is not int:
+        raise ValueError(f"expected an integer, got {data!r}")
+    return data
+
+
+_converter.register_structure_hook(int, _integer)
 _structure_mcp_server = _converter.get_structure_hook(McpServerConfig)
 
 

@@ -21,10 +21,14 @@ from pie.actors.kv import KvCore, KvStatistics
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
-from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
-from pie.actors.scheduler.actor import SchedulerActor
-from pie.actors.speculator import Lanes, SpeculationStatistics, SpeculatorCore
 from pie.config import EngineConfig, NetworkConfig, SandboxConfig, default_cache_dir
+from pie.dataplane import (
+    BatchFormer,
+    BatchPolicy,
+    BatchStatistics,
+    Lanes,
+    SpeculationStatistics,
+)
 from pie.drivers.base import Driver, DriverInfo
 from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
@@ -37,7 +41,7 @@ from pie.sandbox.host import ModelView
 @frozen(kw_only=True)
 class EngineStatistics:
     kv: KvStatistics
-    scheduler: SchedulerStatistics
+    scheduler: BatchStatistics
     inference: InferenceStatistics
     speculation: SpeculationStatistics
     bus: BusStatistics
@@ -64,7 +68,11 @@ class Engine:
         self.info: DriverInfo = driver.info
         log_config = config.event_log
         self.log = (
-            EventLog(ring_size=log_config.ring_size, path=log_config.path or None)
+            EventLog(
+                ring_size=log_config.ring_size,
+                path=log_config.path or None,
+                max_unwritten=log_config.max_unwritten,
+            )
             if log_config.enabled
             else None
         )
@@ -77,17 +85,19 @@ class Engine:
             max_batch_requests=min(
                 config.scheduler.max_batch_requests, self.info.max_batch_requests
             ),
+            decode_tokens=config.scheduler.decode_tokens,
         )
         self.kv = CoreActor(
             KvCore(
                 num_pages=self.info.num_pages,
                 page_size=self.info.page_size,
                 vocab_size=self.info.vocab_size,
+                prefix_cache=config.kv.prefix_cache,
             ),
             "kv",
             self.router,
         )
-        self.scheduler = SchedulerActor(SchedulerCore(policy), self.router)
+        self.policy = policy
         depth = config.scheduler.speculation_depth
         self.lanes = Lanes(
             page_size=self.info.page_size,
@@ -95,14 +105,7 @@ class Engine:
             depth=depth,
             post=lambda events: self.inference.post(events),
         )
-        self.inference = InferenceActor(
-            driver,
-            self.router,
-            self.lanes,
-            max_requests=policy.max_batch_requests,
-            max_tokens=policy.max_batch_tokens,
-        )
-        self.speculator = CoreActor(SpeculatorCore(depth), "speculator", self.router)
+        self.inference = InferenceActor(driver, self.router, self.lanes, BatchFormer(policy))
         self.bus = CoreActor(BusCore(), "bus", self.router)
         self.http = HttpActor(_fetcher(config.network), self.router)
         self.mcp = McpActor(config.mcp, self.router)
@@ -145,19 +148,18 @@ class Engine:
                 vocab_size=self.info.vocab_size,
                 page_size=self.info.page_size,
                 num_pages=self.info.num_pages,
-                max_batch_tokens=self.scheduler.core.policy.max_batch_tokens,
-                max_batch_requests=self.scheduler.core.policy.max_batch_requests,
+                max_batch_tokens=self.policy.max_batch_tokens,
+                max_batch_requests=self.policy.max_batch_requests,
+                prefix_cache=self.config.kv.prefix_cache,
             )
             self.log.append("engine", "engine", started)
         self.wasm.start()
         actors = (
             self.inference,
-            self.scheduler,
             self.kv,
             self.bus,
             self.http,
             self.mcp,
-            self.speculator,
         )
         for actor in (*actors, self.inferlets):
             await self._nursery.start(actor.run)
@@ -192,9 +194,9 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
             kv=self.kv.statistics(),
-            scheduler=self.scheduler.statistics(),
+            scheduler=self.inference.batch_statistics(),
             inference=self.inference.statistics(),
-            speculation=self.speculator.core.statistics(),
+            speculation=self.lanes.statistics(),
             bus=self.bus.statistics(),
             http=self.http.statistics(),
             mcp=self.mcp.statistics(),
@@ -232,6 +234,9 @@ async def open_engine(
     """
     config = config or EngineConfig()
     if driver is None:
+        from pie.drivers.threads import set_wait_policy
+
+        set_wait_policy(config.driver)  # before the factory's imports load torch
         from pie.drivers.factory import build_torch_driver
 
         built, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)

@@ -239,6 +239,7 @@ def test_submit_uploads_streams_and_prints_the_result_last(
         assert client_cli.run_status(cli_args("status", server=server)) == 0
         rows = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines())
         assert int(rows["pages_free"]) > 0
+        assert int(rows["driver_threads"]) == server.engine.info.threads
 
 
 def test_ctrl_c_while_streaming_detaches_and_leaves_it_running(

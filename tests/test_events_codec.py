@@ -149,7 +149,6 @@ SAMPLES = (
         outputs=(TokenOutput(token=5),),
     ),
     spec_ev.LeaseReleased(lease=3, context=4),
-    spec_ev.SpeculationTally(staged=4, hits=3, misses=1, dropped_chains=1, wasted_passes=1),
     kv_ev.CreateContext(corr=1, requester="a"),
     kv_ev.ForkContext(corr=2, requester="a", context=3),
     kv_ev.DestroyContext(corr=3, requester="a", context=3),
@@ -183,8 +182,6 @@ SAMPLES = (
     kv_ev.Done(corr=15),
     kv_ev.RequestFailed(corr=16, kind="out_of_pages", message="need 3 pages"),
     batch_ev.ScheduleForward(request=REQUEST),
-    batch_ev.ExecuteBatch(batch=17, requests=(REQUEST, REQUEST)),
-    batch_ev.PassFinished(batch=18, seconds=0.125, requests=2, tokens=20, ok=False),
     batch_ev.ForwardCompleted(corr=19, context=3, outputs=OUTPUTS),
     batch_ev.EngineStarted(
         model="synthetic",

@@ -26,8 +26,12 @@ PAGE = 4
 class Kv:
     """A KvCore and the bookkeeping a test needs to talk to it as a few requesters."""
 
-    def __init__(self, num_pages: int = 32, vocab_size: int = 100) -> None:
-        self.core = KvCore(num_pages=num_pages, page_size=PAGE, vocab_size=vocab_size)
+    def __init__(
+        self, num_pages: int = 32, vocab_size: int = 100, prefix_cache: str = "user"
+    ) -> None:
+        self.core = KvCore(
+            num_pages=num_pages, page_size=PAGE, vocab_size=vocab_size, prefix_cache=prefix_cache
+        )
         self.pool = self.core.pool
         self._corr = itertools.count(1)
 
@@ -60,7 +64,7 @@ class Kv:
     ) -> ForwardRequest:
         fields.update(context=context, tokens=tuple(tokens))
         [(dst, placed)] = self.send(ev.SubmitForward, requester, **fields)
-        assert dst == "scheduler" and isinstance(placed, ScheduleForward), placed
+        assert dst == "inference" and isinstance(placed, ScheduleForward), placed
         return placed.request
 
     def apply(self, request: ForwardRequest, ok: bool = True) -> None:
@@ -344,8 +348,10 @@ def test_contexts_that_write_the_same_full_pages_end_up_sharing_them() -> None:
     kv = Kv()
     first, second = kv.create(), kv.create()
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    kv.write(first, prompt)
-    request = kv.write(second, prompt)
+    running = kv.submit(first, prompt)
+    request = kv.submit(second, prompt)
+    kv.apply(running)
+    kv.apply(request)
     assert request.pages[:2] != tuple(kv.pages(first)[:2])
     assert kv.pages(second)[:2] == kv.pages(first)[:2]
     assert kv.pages(second)[2] != kv.pages(first)[2]
@@ -396,8 +402,9 @@ def test_a_page_is_shared_only_when_every_page_before_it_matches_too() -> None:
 def test_a_full_page_is_shared_whatever_follows_it() -> None:
     kv = Kv()
     first, second = kv.create(), kv.create()
-    kv.write(first, [1, 2, 3, 4, 5])
+    running = kv.submit(first, [1, 2, 3, 4, 5])
     kv.apply(kv.submit(second, [1, 2, 3, 4, 9], positions=(0, 1, 2, 3, 10)))
+    kv.apply(running)
     assert kv.pages(second)[0] == kv.pages(first)[0]
     assert kv.core.statistics().shared_page_hits == 1
 
@@ -766,13 +773,20 @@ def test_statistics_describe_the_page_table() -> None:
     assert kv.core.statistics() == KvStatistics(
         page_size=PAGE,
         pages_total=32,
-        pages_free=32 - 6,
+        pages_free=32 - 5,
         contexts=5,
         snapshots=1,
         passes_in_flight=1,
         shared_page_hits=1,
         tail_copies=2,
         leases=0,
+        prefix_cache="user",
+        pages_cached=0,
+        prefix_lookups=2,
+        prefix_hits=1,
+        prefix_hit_pages=1,
+        prefix_hit_tokens=4,
+        pages_evicted=0,
     )
 
 
@@ -991,6 +1005,8 @@ def _assert_consistent(kv: Kv) -> None:
     for flight in kv.core.in_flight.values():
         for page in flight.pinned:
             pins[page] += 1
+        for page in flight.parked:
+            owners[page] += 1
     assert kv.pool.state()[:2] == (tuple(owners), tuple(pins))
     assert kv.pool.free == sum(1 for o, p in zip(owners, pins, strict=True) if o == p == 0)
 
@@ -1012,4 +1028,6 @@ def test_a_long_random_churn_returns_every_page(seed: int) -> None:
         kv.send(ev.DeleteSnapshot, name=name)
     assert kv.core.statistics().snapshots == 0
     assert kv.pool.free == kv.pool.num_pages
-    assert kv.pool.state() == ((0,) * 24, (0,) * 24, ())
+    owners, pins, committed = kv.pool.state()
+    assert (owners, pins) == ((0,) * 24, (0,) * 24)
+    assert {page for page, _ in committed} == set(kv.pool.cache_order())

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from pie.actors.speculator.lanes import DONE, LaneBusy, LanePass, Lanes
+from pie.dataplane.lanes import DONE, LaneBusy, LanePass, Lanes
+from pie.dataplane.speculator import SpeculationStatistics
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
 from pie.events.sampling import Argmax, SamplingSlot, SlotOp, TokenOutput, TopP
-from pie.events.speculation import LanePassApplied, Lease, LeaseReleased, SpeculationTally
+from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +55,7 @@ class Harness:
     def events(self, kind: type) -> list[Any]:
         return [e for _, e in self.posted if isinstance(e, kind)]
 
-    def tally(self) -> SpeculationTally:
+    def tally(self) -> SpeculationStatistics:
         return self.lanes.statistics()
 
 

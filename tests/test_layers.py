@@ -1,6 +1,6 @@
 """The import rules of pie's layers, read from the source: each package imports only the packages
-below it, the sandbox never reaches the actors, the client never loads the server, the drivers
-or torch, and nothing but the entry point imports the command line."""
+below it, the sandbox reaches neither the actors nor the data plane, the client never loads the
+server, the drivers or torch, and nothing but the entry point imports the command line."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ ALLOWED = {
     "pie.wire": {"pie.events"},
     "pie.sandbox": {"pie.events"},
     "pie.drivers": {"pie.config", "pie.events"},
+    "pie.dataplane": {"pie.drivers", "pie.events"},
     "pie.actors": {
         "pie",
         "pie.config",
+        "pie.dataplane",
         "pie.drivers",
         "pie.eventlog",
         "pie.events",
@@ -39,6 +41,7 @@ ALLOWED = {
         "pie",
         "pie.actors",
         "pie.config",
+        "pie.dataplane",
         "pie.drivers",
         "pie.eventlog",
         "pie.events",
@@ -65,6 +68,7 @@ THIRD_PARTY_BANNED = {
     "pie.wire": {"torch", "trio", "wasmtime"},
     "pie.events": {"torch", "trio", "wasmtime"},
     "pie.drivers": {"trio", "wasmtime"},
+    "pie.dataplane": {"trio", "wasmtime"},
     "pie.sandbox": {"torch", "trio"},
     "pie.build": {"torch", "trio", "wasmtime"},
 }
@@ -135,9 +139,9 @@ def test_only_the_entry_point_imports_the_command_line() -> None:
 
 def test_the_rules_catch_an_import_that_reaches_up(tmp_path: Path) -> None:
     source = tmp_path / "probe.py"
-    source.write_text("def f():\n    from pie.actors.speculator.lanes import Lanes\n")
-    assert ("pie.actors.speculator.lanes", 2) in list(_imports(source))
-    assert _package("pie.actors.speculator.lanes") not in ALLOWED["pie.sandbox"]
+    source.write_text("def f():\n    from pie.dataplane.lanes import Lanes\n")
+    assert ("pie.dataplane.lanes", 2) in list(_imports(source))
+    assert _package("pie.dataplane.lanes") not in ALLOWED["pie.sandbox"]
 
 
 def _loaded_after(statement: str) -> set[str]:

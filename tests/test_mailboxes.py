@@ -19,8 +19,8 @@ from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import open_engine
 from pie.eventlog import EventLog
 from pie.events import ALL_EVENTS, bus, kv
-from pie.events.batching import ExecuteBatch
-from pie.events.speculation import LanePassApplied, SpeculationTally
+from pie.events.batching import ScheduleForward
+from pie.events.speculation import LanePassApplied, LeaseReleased
 
 GUEST = Path(__file__).parent / "wat_guests" / "host_calls.wat"
 REFUSED = "the mailbox at 'box' does not accept Pulled; it accepts Done, RequestFailed"
@@ -84,10 +84,10 @@ def test_a_handler_address_refuses_before_its_handler_runs() -> None:
 
 @pytest.mark.unit
 def test_classes_unions_and_tuples_flatten_into_one_tuple() -> None:
-    flat = event_types((kv.KvCommand, LanePassApplied, (kv.SubmitForward, SpeculationTally)))
-    assert flat[0] is kv.CreateContext and flat[-1] is SpeculationTally
+    flat = event_types((kv.KvCommand, LanePassApplied, (kv.SubmitForward, LeaseReleased)))
+    assert flat[0] is kv.CreateContext and flat[-1] is LeaseReleased
     assert flat.count(kv.SubmitForward) == 1 and LanePassApplied in flat
-    assert event_types(ExecuteBatch) == (ExecuteBatch,)
+    assert event_types(ScheduleForward) == (ScheduleForward,)
 
 
 @pytest.mark.unit
@@ -128,12 +128,12 @@ async def test_every_address_the_engine_wires_declares_the_events_it_accepts(
             outcome = await run.outcome()
     assert outcome.ok
     assert set(wired) == {
-        *("kv", "scheduler", "inference", "speculator", "bus", "http", "mcp", "inferlets"),
+        *("kv", "inference", "bus", "http", "mcp", "inferlets"),
         *("cli", instance),
     }
     for address, accepted in wired.items():
         assert accepted, address
         assert set(accepted) <= set(ALL_EVENTS), address
-    assert wired["inference"] == (ExecuteBatch,)
+    assert wired["inference"] == (ScheduleForward,)
     assert {kv.SubmitForward, LanePassApplied} <= set(wired["kv"])
     assert wired[instance] == event_types(PROGRAM_INBOX)

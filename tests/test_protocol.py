@@ -72,6 +72,7 @@ SERVER_SAMPLES = (
         last_pass_ms=48.0,
         inferlets_running=3,
         inferlets_queued=0,
+        driver_threads=1,
     ),
     m.InferletEvent(instance="i3", seq=1, event=ev.InferletStarted(instance="i3", program="ab")),
     m.InferletEvent(
@@ -108,6 +109,13 @@ def test_client_messages_round_trip(message: object) -> None:
 @pytest.mark.parametrize("message", SERVER_SAMPLES, ids=lambda x: type(x).__name__)
 def test_server_messages_round_trip(message: object) -> None:
     assert decode_server_frame(encode_frame(message)) == message
+
+
+def test_an_engine_status_without_driver_threads_reads_as_zero() -> None:
+    status = next(s for s in SERVER_SAMPLES if isinstance(s, m.EngineStatus))
+    frame = json.loads(encode_frame(status))
+    del frame["driver_threads"]  # as a server from before the field sends it
+    assert decode_server_frame(json.dumps(frame)).driver_threads == 0
 
 
 def test_frames_are_tagged_json_objects() -> None:

@@ -71,6 +71,7 @@ async def test_the_first_frame_is_a_welcome_and_bad_frames_leave_the_connection_
             assert found.kind == "no-such-program"
             status = await raw.call(msg.QueryStatistics)
             assert isinstance(status, msg.EngineStatus) and status.pages_free > 0
+            assert status.driver_threads == server.engine.info.threads == 1
 
 
 async def test_uploads_are_checked_chunk_by_chunk_and_by_hash(tmp_path: Path, relay: bytes) -> None:

@@ -131,8 +131,8 @@ class Requester:
 
     # -- contexts ----------------------------------------------------------------------------
 
-    async def create_context(self) -> int:
-        return (await self.call("kv", kv_ev.CreateContext)).context
+    async def create_context(self, user: str = "local") -> int:
+        return (await self.call("kv", kv_ev.CreateContext, user=user)).context
 
     async def fork(self, context: int) -> int:
         return (await self.call("kv", kv_ev.ForkContext, context=context)).context

@@ -12,10 +12,16 @@ from pie.events import codec
 
 
 def run_log(args: argparse.Namespace) -> int:
-    from pie.eventlog import read_log
+    from pie.eventlog import Gap, read_entries
 
     shown = 0
-    for env in read_log(args.file):
+    for env in read_entries(args.file):
+        if isinstance(env, Gap):
+            print(
+                f"{'':>7} {env.count} records not in the file (seq {env.first} to {env.last}): "
+                f"{env.reason}"
+            )
+            continue
         if args.actor and args.actor not in (env.src, env.dst):
             continue
         if args.corr is not None and env.corr != args.corr:
@@ -41,17 +47,24 @@ def _describe(event: Any) -> str:
 
 def run_replay(args: argparse.Namespace) -> int:
     from pie.actors.kv import KvCore
-    from pie.eventlog import read_log
+    from pie.eventlog import LogGap, read_log
     from pie.eventlog.replay import replay
     from pie.events.batching import EngineStarted
 
-    envelopes = list(read_log(args.file))
+    try:
+        envelopes = list(read_log(args.file))
+    except LogGap as gap:
+        print(f"pie: cannot replay an incomplete log: {gap}", file=sys.stderr)
+        return 2
     started = next((e.event for e in envelopes if isinstance(e.event, EngineStarted)), None)
     if started is None:
         print("pie: the log has no EngineStarted record", file=sys.stderr)
         return 2
     core = KvCore(
-        num_pages=started.num_pages, page_size=started.page_size, vocab_size=started.vocab_size
+        num_pages=started.num_pages,
+        page_size=started.page_size,
+        vocab_size=started.vocab_size,
+        prefix_cache=started.prefix_cache,
     )
     result = replay(envelopes, args.actor, core)
     stats = core.statistics()

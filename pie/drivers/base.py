@@ -22,6 +22,8 @@ class DriverInfo:
     max_batch_requests: int
     device: str
     dtype: str
+    threads: int = 1
+    """The CPU threads its kernels compute with (torch's intra-op pool for the torch driver)."""
 
 
 class DriverError(Exception):

@@ -1,4 +1,5 @@
-"""Builds the torch driver an EngineConfig describes: device, dtype, model and KV pool size."""
+"""Builds the torch driver an EngineConfig describes: threads, device, dtype, model and KV pool
+size."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from pie.config import EngineConfig
 from pie.drivers.loader import load_model
+from pie.drivers.threads import set_threads
 from pie.drivers.tokenizer import Tokenizer
 from pie.drivers.torch_driver import TorchDriver
 
@@ -29,6 +31,7 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
 
 
 def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
+    threads = set_threads(config.driver)
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
     loaded = load_model(config.model.path, dtype, device)
@@ -37,7 +40,8 @@ def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
         loaded.config, budget_bytes=_kv_budget(config, device), page_size=kv.page_size, dtype=dtype
     )
     print(
-        f"pie: {loaded.name} on {device} ({str(dtype).removeprefix('torch.')}), "
+        f"pie: {loaded.name} on {device} ({str(dtype).removeprefix('torch.')}, "
+        f"{threads} CPU thread{'s' if threads > 1 else ''}), "
         f"{num_pages} KV pages of {kv.page_size} tokens",
         file=sys.stderr,
     )

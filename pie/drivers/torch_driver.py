@@ -167,6 +167,7 @@ class TorchDriver:
             max_batch_requests=max_batch_requests,
             device=device,
             dtype=str(dtype).removeprefix("torch."),
+            threads=torch.get_num_threads(),
         )
         self.cache = PagedKvCache(_cache_shape(config, page_size, dtype), num_pages, device)
         self.generator = torch.Generator(device=device)

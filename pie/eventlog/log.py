@@ -1,5 +1,5 @@
 """The append-only log of every delivered event: an in-memory ring and an optional
-JSON-lines file."""
+JSON-lines file, written by its own thread (pie/eventlog/writer.py)."""
 
 from __future__ import annotations
 
@@ -12,104 +12,127 @@ from typing import IO, Any
 
 from attrs import frozen
 
-from pie.events import codec
+from pie.eventlog.records import Envelope, Gap, Row
+from pie.eventlog.writer import FileWriter, WriterStatistics
+
+__all__ = ["Envelope", "EventLog", "EventLogStatistics", "LogGap", "read_entries", "read_log"]
+
+
+class LogGap(ValueError):
+    """A log file that lacks records, so it cannot be replayed: the text says which and why."""
 
 
 @frozen(kw_only=True)
-class Envelope:
-    """One delivery: who sent what to whom, when, and which request it belongs to."""
-
-    seq: int
-    time: float
-    src: str
-    dst: str
-    corr: int | None
-    event: Any
-
-    def to_json(self) -> str:
-        record = {
-            "seq": self.seq,
-            "time": self.time,
-            "src": self.src,
-            "dst": self.dst,
-            "corr": self.corr,
-            "event": codec.encode(self.event),
-        }
-        return json.dumps(record, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, line: str) -> Envelope:
-        record = json.loads(line)
-        return cls(
-            seq=record["seq"],
-            time=record["time"],
-            src=record["src"],
-            dst=record["dst"],
-            corr=record["corr"],
-            event=codec.decode(record["event"]),
-        )
-
-
-def correlation_of(event: Any) -> int | None:
-    corr = getattr(event, "corr", None)
-    if corr is None and hasattr(event, "request"):
-        corr = getattr(event.request, "corr", None)
-    return corr
+class EventLogStatistics:
+    appended: int
+    """Envelopes appended (the last seq)."""
+    in_memory: int
+    file: WriterStatistics | None
+    """The file writer's counts; None without a file."""
 
 
 class EventLog:
-    """Keeps the last `ring_size` envelopes in memory and, with a path, every one on disk."""
+    """Keeps the last `ring_size` envelopes in memory and, with a path, every one on disk.
 
-    def __init__(self, *, ring_size: int = 100_000, path: str | Path | None = None) -> None:
-        self._ring: collections.deque[Envelope] = collections.deque(maxlen=ring_size or None)
+    `append` is called from one thread (the Trio thread) and only numbers the envelope, keeps
+    it and hands it to the file writer; the writer thread encodes and writes in seq order,
+    leaving out (and marking as a gap) what arrives while it is `max_unwritten` records behind.
+    `file`, instead of `path`, is an open text file to write (closed with the log).
+    """
+
+    def __init__(
+        self,
+        *,
+        ring_size: int = 100_000,
+        path: str | Path | None = None,
+        max_unwritten: int = 100_000,
+        file: IO[str] | None = None,
+    ) -> None:
+        self._ring: collections.deque[Row] = collections.deque(maxlen=ring_size or None)
         self._seq = 0
-        # One file per engine run: sequence numbers start at 1 and replay reads one history.
-        self._file: IO[str] | None = open(path, "w", encoding="utf-8") if path else None
         self.path = Path(path) if path else None
-
-    def append(self, src: str, dst: str, event: Any) -> Envelope:
-        self._seq += 1
-        envelope = Envelope(
-            seq=self._seq,
-            time=time.time(),
-            src=src,
-            dst=dst,
-            corr=correlation_of(event),
-            event=event,
+        # One file per engine run: sequence numbers start at 1 and replay reads one history.
+        if file is None and path:
+            file = open(path, "w", encoding="utf-8")
+        self._file = (
+            FileWriter(file, max_pending=max_unwritten, name=str(path or file))
+            if file is not None
+            else None
         )
-        self._ring.append(envelope)
-        if self._file is not None:
-            self._file.write(envelope.to_json() + "\n")
-        return envelope
+        self._writer = self._file
+        """The file writer while it takes records: None once closed."""
+
+    def append(self, src: str, dst: str, event: Any) -> int:
+        """Records a delivery; returns its seq."""
+        self._seq += 1
+        row = (self._seq, time.time(), src, dst, event)
+        self._ring.append(row)
+        if self._writer is not None:
+            self._writer.submit(row)
+        return self._seq
 
     def records(self) -> list[Envelope]:
-        return list(self._ring)
+        """The envelopes in the ring, oldest first."""
+        return [Envelope.from_row(row) for row in self._ring]
 
     def __len__(self) -> int:
         return len(self._ring)
 
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+    def statistics(self) -> EventLogStatistics:
+        return EventLogStatistics(
+            appended=self._seq,
+            in_memory=len(self._ring),
+            file=self._file.statistics() if self._file is not None else None,
+        )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every envelope appended so far is in the file; False if `timeout`
+        passed first. Blocks the calling thread."""
+        return self._writer.flush(timeout) if self._writer is not None else True
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Writes what is still queued and closes the file (waiting for the writer); the ring
+        stays readable and later appends are kept in memory only. A failed writer does not
+        raise here: its error is in `statistics()` and was logged when it happened."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
-def read_log(path: str | Path) -> Iterator[Envelope]:
-    """The envelopes of a JSON-lines log file, in order.
+def read_entries(path: str | Path) -> Iterator[Envelope | Gap]:
+    """The envelopes of a JSON-lines log file and the gaps between them, in order: the gap
+    records the writer left, and a `Gap` for any other hole in the sequence numbers.
 
     A torn last line (the writer stopped mid-line) is skipped; a bad line anywhere else is an
     error, since everything after it would be silently lost.
     """
     with open(path, encoding="utf-8") as handle:
         lines = [line for line in handle if line.strip()]
+    expected = 1
     for number, line in enumerate(lines, start=1):
         try:
-            yield Envelope.from_json(line)
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines) and not line.endswith("\n"):
                 return
             raise ValueError(f"{path}: line {number} is not a log record: {exc}") from exc
+        entry = Gap.from_record(record) if "gap" in record else Envelope.from_record(record)
+        first = entry.first if isinstance(entry, Gap) else entry.seq
+        if first < expected:
+            raise ValueError(f"{path}: line {number} repeats or reorders seq {first}")
+        if first > expected:
+            yield Gap(first=expected, last=first - 1, reason="missing from the file")
+        yield entry
+        expected = (entry.last if isinstance(entry, Gap) else entry.seq) + 1
+
+
+def read_log(path: str | Path) -> Iterator[Envelope]:
+    """The envelopes of a JSON-lines log file, in order; `LogGap` where records are missing,
+    so that a replay never reads a log with holes."""
+    for entry in read_entries(path):
+        if isinstance(entry, Gap):
+            raise LogGap(
+                f"{path}: {entry.count} records (seq {entry.first} to {entry.last}) are not in "
+                f"the file: {entry.reason}"
+            )
+        yield entry

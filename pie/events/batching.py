@@ -1,4 +1,4 @@
-"""Events between the kv actor, the scheduler, the inference actor and the requester."""
+"""Events between the kv actor, the inference actor and the requester."""
 
 from __future__ import annotations
 
@@ -10,28 +10,9 @@ from pie.events.sampling import SlotOutput
 
 @frozen(kw_only=True)
 class ScheduleForward:
-    """A placed request for the scheduler to put in a batch."""
+    """A placed request, for the data plane's batch former to put in a pass."""
 
     request: ForwardRequest
-
-
-@frozen(kw_only=True)
-class ExecuteBatch:
-    """The scheduler's decision: run these requests in one forward pass."""
-
-    batch: int
-    requests: tuple[ForwardRequest, ...]
-
-
-@frozen(kw_only=True)
-class PassFinished:
-    """The driver finished a batch; the scheduler paces its firing on `seconds`."""
-
-    batch: int
-    seconds: float
-    requests: int
-    tokens: int
-    ok: bool = True
 
 
 @frozen(kw_only=True)
@@ -53,3 +34,4 @@ class EngineStarted:
     num_pages: int
     max_batch_tokens: int
     max_batch_requests: int
+    prefix_cache: str = "user"

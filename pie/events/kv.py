@@ -11,6 +11,9 @@ from pie.events.sampling import Rle, SamplingSlot
 class CreateContext:
     corr: int
     requester: str
+    user: str = "local"
+    """Whose context it is: under the "user" prefix cache scope, only contexts of the same user
+    reuse each other's pages."""
 
 
 @frozen(kw_only=True)

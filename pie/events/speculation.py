@@ -1,5 +1,4 @@
-"""Events of the fast path: leases the kv actor grants, passes run on them, and the speculator's
-tallies.
+"""Events of the fast path: leases the kv actor grants and passes run on them.
 
 A lease lets the driver thread run one context's plain decodes (one token in, one token
 sampler at it) without a round trip through the kv actor and the scheduler: it names the pages
@@ -61,23 +60,3 @@ class LeaseReleased:
 
     lease: int
     context: int
-
-
-@frozen(kw_only=True)
-class SpeculationTally:
-    """Counts since the last tally, reported to the speculator with each finished pass."""
-
-    staged: int = 0
-    """Passes built ahead of their program's request."""
-    hits: int = 0
-    """Requests served from a staged pass."""
-    misses: int = 0
-    """Requests that found a different pass staged."""
-    dropped_chains: int = 0
-    """Staged chains thrown away (a miss, or the context left the fast path)."""
-    wasted_passes: int = 0
-    """Staged passes that ran and were never used."""
-    direct: int = 0
-    """Passes run on a lease at the program's request, with nothing staged."""
-    leases: int = 0
-    """Lanes opened on a granted lease."""

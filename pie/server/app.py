@@ -289,6 +289,9 @@ class Server:
             last_pass_ms=stats.inference.last_pass_seconds * 1000,
             inferlets_running=stats.inferlets.running,
             inferlets_queued=stats.inferlets.queued,
+            pages_cached=stats.kv.pages_cached,
+            prefix_hit_tokens=stats.kv.prefix_hit_tokens,
+            driver_threads=self.engine.info.threads,
         )
 
     def statistics(self) -> ServerStatistics:

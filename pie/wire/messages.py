@@ -249,6 +249,12 @@ class EngineStatus:
     last_pass_ms: float
     inferlets_running: int
     inferlets_queued: int
+    pages_cached: int = 0
+    """Free pages still holding reusable prompt pages (counted in pages_free too)."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens whose KV was reused from the prefix cache instead of computed."""
+    driver_threads: int = 0
+    """The CPU threads the driver computes with; 0 from a server that does not say."""
 
 
 StreamedEvent: TypeAlias = (

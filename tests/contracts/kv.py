@@ -37,9 +37,10 @@ class KvCoreContract:
     A core runs it with a test class that subclasses this one and provides `make_core`, a
     fixture returning a factory (num_pages, page_size, vocab_size keywords) of empty cores.
     The checks read what KvCore exposes for tests and replay: `handle`, `statistics()`,
-    `state()`, the chains in `contexts` and `snapshots` (pages, reserved, tokens, positions,
-    hashes, written, masked, in_flight), the passes in `in_flight` (context, pinned),
-    `leases`, and its pool's `state()`, `owners()`, `free`, `num_pages` and `allocate()`.
+    `state()`, `prefix_cache`, the chains in `contexts` and `snapshots` (pages, reserved,
+    tokens, positions, hashes, written, masked, in_flight), the passes in `in_flight` (context,
+    pinned, parked), `leases`, and its pool's `state()`, `cache_order()`, `evictions`, `owners()`,
+    `free`, `num_pages` and `allocate()`.
     """
 
     @pytest.fixture
@@ -178,10 +179,12 @@ class KvCoreContract:
         assert_invariants(kv.core)
 
     def test_random_command_sequences_keep_every_invariant(self, make_core: MakeCore) -> None:
-        """With pages of 1 token (equal pages everywhere) and of 2 and 4 (partial tails)."""
+        """With pages of 1 token (equal pages everywhere) and of 2 and 4 (partial tails), under
+        the default prefix cache scope (per user), and under the other two."""
         seen: Counter[str] = Counter()
-        for page_size in (1, 2, 4):
-            machine = partial(KvChurn, make_core, page_size, seen)
+        runs = [(1, "user"), (2, "user"), (4, "user"), (2, "global"), (2, "off")]
+        for page_size, scope in runs:
+            machine = partial(KvChurn, make_core, page_size, seen, scope)
             run_state_machine_as_test(machine, settings=CHURN)  # type: ignore[arg-type]
-        reached = ("tail copies", "shared page hits", "leases", "out_of_pages")
-        assert all(seen[what] > 0 for what in reached), seen
+        reached = ("tail copies", "shared page hits", "leases", "out_of_pages", "prefix hits")
+        assert all(seen[what] > 0 for what in reached + ("evictions",)), seen

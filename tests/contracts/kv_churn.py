@@ -1,6 +1,6 @@
 """Random command sequences for the kv core: a hypothesis state machine that keeps a model of
-every context's and snapshot's tokens, checks each reply against it, and checks every invariant
-after each step."""
+every context's and snapshot's tokens and of what each page's KV slots hold (what the driver
+wrote there), checks each reply against it, and checks every invariant after each step."""
 
 from __future__ import annotations
 
@@ -35,18 +35,34 @@ TOKENS = st.one_of(
 
 
 class KvChurn(RuleBasedStateMachine):
-    """Two requesters with up to six contexts on a pool of 48 tokens' worth of pages, three
-    tokens in the vocabulary, passes settled at once or left in flight across other commands."""
+    """Two requesters (each its own user) with up to six contexts on a pool of 48 tokens' worth
+    of pages, three tokens in the vocabulary, passes settled at once or left in flight across
+    other commands, under one prefix cache scope."""
 
-    def __init__(self, make_core: MakeCore, page_size: int, seen: Counter[str]) -> None:
+    def __init__(
+        self, make_core: MakeCore, page_size: int, seen: Counter[str], prefix_cache: str = "user"
+    ) -> None:
         super().__init__()
-        self.kv = KvSession(make_core(num_pages=48 // page_size, page_size=page_size, vocab_size=3))
+        core = make_core(
+            num_pages=48 // page_size,
+            page_size=page_size,
+            vocab_size=3,
+            prefix_cache=prefix_cache,
+        )
+        self.kv = KvSession(core)
         self.seen = seen
         self.tokens: dict[int, list[int]] = {}
         self.owner: dict[int, str] = {}
+        self.user: dict[int, str] = {}
+        """Whose pages a context may reuse: its creator's (forks and snapshots inherit it)."""
         self.saved: dict[str, list[int]] = {}
+        self.saved_user: dict[str, str] = {}
         self.flights: list[tuple[ForwardRequest, int]] = []
         """Passes in flight and their context's length before each."""
+        self.writer: dict[int, str] = {}
+        """The user of each pass in flight, by corr."""
+        self.slots: dict[tuple[int, int], tuple[int, int, str]] = {}
+        """What the driver wrote in each (page, offset): token, position and the writer's user."""
         self.leases: list[tuple[int, int]] = []
 
     def _pick(self, pick: int) -> int:
@@ -61,15 +77,17 @@ class KvChurn(RuleBasedStateMachine):
         assert failed == refusal, (failed, refusal)
         return failed is None
 
-    def _adopt(self, reply: Any, tokens: list[int], requester: str) -> None:
+    def _adopt(self, reply: Any, tokens: list[int], requester: str, user: str) -> None:
         context = reply.context
         self.tokens[context], self.owner[context] = list(tokens), requester
+        self.user[context] = user
         assert self.kv.tokens(context, requester) == tuple(tokens)
 
     @precondition(lambda self: len(self.tokens) < 6)
     @rule(requester=REQUESTERS)
     def create(self, requester: str) -> None:
-        self._adopt(self.kv.ok(ev.CreateContext, requester), [], requester)
+        reply = self.kv.ok(ev.CreateContext, requester, user=requester)
+        self._adopt(reply, [], requester, requester)
 
     @precondition(lambda self: self.tokens)
     @rule(pick=PICK)
@@ -77,7 +95,7 @@ class KvChurn(RuleBasedStateMachine):
         source = self._pick(pick)
         reply = self.kv.ask(ev.ForkContext, self.owner[source], context=source)
         if self._expect(reply, "busy" if self._busy(source) else None):
-            self._adopt(reply, self.tokens[source], self.owner[source])
+            self._adopt(reply, self.tokens[source], self.owner[source], self.user[source])
 
     @precondition(lambda self: self.tokens)
     @rule(pick=PICK, name=NAMES)
@@ -88,6 +106,7 @@ class KvChurn(RuleBasedStateMachine):
         reply = self.kv.ask(ev.SaveContext, self.owner[context], context=context, name=name)
         if self._expect(reply, refusal):
             self.saved[name] = list(self.tokens[context])
+            self.saved_user[name] = self.user[context]
 
     @precondition(lambda self: self.saved)
     @rule(name=NAMES, take=st.booleans(), requester=REQUESTERS)
@@ -95,7 +114,7 @@ class KvChurn(RuleBasedStateMachine):
         reply = self.kv.ask(ev.OpenContext, requester, name=name, take=take)
         if self._expect(reply, None if name in self.saved else "no_such_snapshot"):
             tokens = self.saved.pop(name) if take else self.saved[name]
-            self._adopt(reply, tokens, requester)
+            self._adopt(reply, tokens, requester, self.saved_user[name])
 
     @precondition(lambda self: self.saved)
     @rule(name=NAMES)
@@ -163,11 +182,11 @@ class KvChurn(RuleBasedStateMachine):
             assert self.kv.core.state() == before
             self.seen[reply.kind] += 1
             return
-        assert (reply.kv_start, reply.positions) == (old, tuple(range(old, old + len(tokens))))
-        assert_writes_are_private(self.kv.core, reply)
+        self._check_placed(reply, context, old, tokens)
         self.seen["tail copies"] += len(reply.copies)
         self.tokens[context].extend(tokens)
         self.flights.append((reply, old))
+        self.writer[reply.corr] = self.user[context]
         if reply.lease is not None:
             self.leases.append((reply.lease.lease, context))
             self.seen["leases"] += 1
@@ -179,11 +198,48 @@ class KvChurn(RuleBasedStateMachine):
     def apply(self, pick: int, ok: bool) -> None:
         self._settle(pick % len(self.flights), ok)
 
+    def _check_placed(
+        self, reply: ForwardRequest, context: int, old: int, tokens: list[int]
+    ) -> None:
+        """The pass skips only whole pages of its tokens that are written already, with these
+        very tokens at these positions, by the context's own user unless the scope is global;
+        it always computes its last token."""
+        size = self.kv.core.page_size
+        skip = reply.kv_start - old
+        assert 0 <= skip < len(tokens) and skip % size == 0
+        assert reply.tokens == tuple(tokens[skip:])
+        assert reply.positions == tuple(range(old + skip, old + len(tokens)))
+        assert_writes_are_private(self.kv.core, reply)
+        if not skip:
+            return
+        scope = self.kv.core.prefix_cache
+        assert old % size == 0 and scope != "off"
+        for i in range(skip):
+            token, position, user = self.slots[(reply.pages[(old + i) // size], i % size)]
+            assert (token, position) == (tokens[i], old + i)
+            assert scope == "global" or user == self.user[context]
+        self.seen["prefix hits"] += 1
+        self.seen["reserves trimmed"] += bool(self.kv.core.in_flight[reply.corr].parked)
+
     def _settle(self, index: int, ok: bool) -> None:
         request, old = self.flights.pop(index)
         self.kv.apply(request, ok)
-        if not ok and request.context in self.tokens:
+        writer = self.writer.pop(request.corr)
+        if ok:
+            self._write(request, writer)
+        elif request.context in self.tokens:
             del self.tokens[request.context][old:]
+
+    def _write(self, request: ForwardRequest, user: str) -> None:
+        """What the driver does with a pass: copies, then the pass's tokens into their slots."""
+        size = self.kv.core.page_size
+        for copy in request.copies:
+            for offset in range(size):
+                if (copy.src, offset) in self.slots:
+                    self.slots[(copy.dst, offset)] = self.slots[(copy.src, offset)]
+        for i, slot in enumerate(range(request.kv_start, request.kv_len)):
+            written = (request.tokens[i], request.positions[i], user)
+            self.slots[(request.pages[slot // size], slot % size)] = written
 
     @precondition(lambda self: self.leases)
     @rule(pick=PICK)
@@ -220,9 +276,24 @@ class KvChurn(RuleBasedStateMachine):
         for context, tokens in self.tokens.items():
             assert self.kv.tokens(context, self.owner[context]) == tuple(tokens)
 
+    @invariant()
+    def every_context_holds_the_kv_of_its_tokens(self) -> None:
+        """Whatever pages a context came to hold (its own, a fork's, a snapshot's or reused
+        ones), their slots hold its tokens at their positions, up to a pass still in flight
+        (whose tail copies are still to be made: until then their pages read from the source)."""
+        size = self.kv.core.page_size
+        written = {request.context: old for request, old in self.flights}
+        source = {c.dst: c.src for request, _ in self.flights for c in request.copies}
+        for context, tokens in self.tokens.items():
+            pages = [source.get(p, p) for p in self.kv.core.contexts[context].pages]
+            for i in range(written.get(context, len(tokens))):
+                assert self.slots[(pages[i // size], i % size)][:2] == (tokens[i], i)
+
     def teardown(self) -> None:
         """Ending every pass and lease and dropping every context and snapshot frees it all."""
-        self.seen["shared page hits"] += self.kv.core.statistics().shared_page_hits
+        stats = self.kv.core.statistics()
+        self.seen["shared page hits"] += stats.shared_page_hits
+        self.seen["evictions"] += stats.pages_evicted
         for request, _ in self.flights:
             self.kv.apply(request)
         for lease, context in self.leases:
@@ -233,4 +304,5 @@ class KvChurn(RuleBasedStateMachine):
             self.kv.ok(ev.DeleteSnapshot, name=name)
         assert_invariants(self.kv.core)
         assert free_pages(self.kv.core) == set(range(self.kv.core.pool.num_pages))
-        assert self.kv.core.pool.state()[2] == ()
+        committed = {page for page, _ in self.kv.core.pool.state()[2]}
+        assert committed == set(self.kv.core.pool.cache_order())

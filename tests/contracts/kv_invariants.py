@@ -16,7 +16,8 @@ from pie.events.forward import ForwardRequest
 from pie.events.sampling import Argmax, SamplingSlot
 
 MakeCore = Callable[..., KvCore]
-"""Called with num_pages, page_size and vocab_size (keywords); returns an empty core."""
+"""Called with num_pages, page_size and vocab_size (keywords), and prefix_cache when a test
+picks the scope; returns an empty core."""
 
 
 def _counts(pages: Iterable[int], num_pages: int) -> tuple[int, ...]:
@@ -24,19 +25,28 @@ def _counts(pages: Iterable[int], num_pages: int) -> tuple[int, ...]:
     return tuple(counter[p] for p in range(num_pages))
 
 
-def free_pages(core: KvCore) -> set[int]:
-    """The pages the pool would hand out next, read from a copy so the core is untouched."""
+def allocation_order(core: KvCore) -> list[int]:
+    """Every page the pool would hand out, in the order it would, read from a copy so the core
+    is untouched."""
     pool = copy.deepcopy(core.pool)
-    return set(pool.allocate(pool.free))
+    return pool.allocate(pool.free)
+
+
+def free_pages(core: KvCore) -> set[int]:
+    """The pages the pool would hand out next (cached pages included)."""
+    return set(allocation_order(core))
 
 
 def assert_page_accounting(core: KvCore) -> None:
-    """Owners are the chains and snapshots holding a page (reserve included), pins are the
-    passes in flight and the leases, and a page is free exactly when it has neither."""
+    """Owners are the chains and snapshots holding a page (reserve included) and the passes in
+    flight holding reserved pages they made needless, pins are the passes in flight and the
+    leases, and a page is free exactly when it has neither."""
     num_pages = core.pool.num_pages
     owners, pins, committed = core.pool.state()
     chains = [*core.contexts.values(), *core.snapshots.values()]
-    assert owners == _counts((p for ch in chains for p in [*ch.pages, *ch.reserved]), num_pages)
+    owned = [p for ch in chains for p in [*ch.pages, *ch.reserved]]
+    owned += [p for flight in core.in_flight.values() for p in flight.parked]
+    assert owners == _counts(owned, num_pages)
     pinned = [p for flight in core.in_flight.values() for p in flight.pinned]
     pinned += [p for pages in core.leases.values() for p in pages]
     assert pins == _counts(pinned, num_pages)
@@ -45,7 +55,24 @@ def assert_page_accounting(core: KvCore) -> None:
     assert not free & held, f"pages {sorted(free & held)} are free and referenced"
     assert len(free) + len(held) == num_pages == core.statistics().pages_total
     assert core.statistics().pages_free == len(free)
-    assert {page for page, _ in committed} <= held, "a free page kept its content hash"
+    assert_cached_pages(core)
+
+
+def assert_cached_pages(core: KvCore) -> None:
+    """A free page keeps its content hash exactly when it is cached (never with the cache off);
+    allocation takes every empty page before the first cached one, then the cached ones least
+    recently released first."""
+    owners, pins, committed = core.pool.state()
+    cached = core.pool.cache_order()
+    unheld = {page for page, _ in committed if not owners[page] and not pins[page]}
+    assert set(cached) == unheld, "a free page kept its content hash outside the cache"
+    assert not cached or core.prefix_cache != "off"
+    order = allocation_order(core)
+    assert tuple(order[len(order) - len(cached) :]) == cached
+    stats = core.statistics()
+    assert (stats.pages_cached, stats.pages_evicted) == (len(cached), core.pool.evictions)
+    assert stats.prefix_hit_tokens == stats.prefix_hit_pages * core.page_size
+    assert stats.prefix_hits <= stats.prefix_lookups
 
 
 def assert_chains_agree_with_the_pool(core: KvCore) -> None:

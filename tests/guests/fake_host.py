@@ -19,6 +19,11 @@ from typing import Any
 import wasmtime
 from wasmtime.component import Component, Linker, Record, Variant
 
+from pie.events.batching import ForwardCompleted
+from pie.events.sampling import Argmax, SlotOp, TokenOutput
+from pie.sandbox.host.forward import slot_op
+from pie.sandbox.host.runs import Run, RunSpec
+
 SPECIALS = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}
 VOCAB = 259
 EOT = SPECIALS["<|im_end|>"]
@@ -77,6 +82,8 @@ class FakeHost:
         self.inbox = list(session_inbox or [])
         self.queues: dict[str, list[str]] = {}
         self.prefilled: list[int] = []
+        self.runs: dict[int, Run] = {}
+        self.run_steps: dict[int, list[Any]] = {}
         self._ids = iter(range(1, 1 << 30))
 
     # model -----------------------------------------------------------------------------------
@@ -185,6 +192,56 @@ class FakeHost:
             return Variant("logprobs", [math.log(probs[t]) if probs[t] else -30.0 for t in params])
         return Variant("entropy", -sum(p * math.log(p) for p in probs if p))
 
+    def sample(self, op: SlotOp, last: int) -> int:
+        """A sampler given as an engine event (what generation runs use), like `read_out`."""
+        if isinstance(op, Argmax):
+            return next_token(last)
+        rng = random.Random(getattr(op, "seed", None))
+        return rng.choices(range(VOCAB), weights=probs_after(last))[0]
+
+    # generate --------------------------------------------------------------------------------
+    def start_run(self, p: Any) -> int:
+        """A run through the engine's own `Run` over the toy model; its passes run when the
+        guest waits for output, until the run has some for it."""
+        mask = getattr(p, "logit-mask")
+        spec = RunSpec(
+            context=p.context,
+            feed=tuple(p.tokens),
+            op=slot_op(p.sampler),
+            max_tokens=getattr(p, "max-tokens"),
+            stop_tokens=frozenset(getattr(p, "stop-tokens")),
+            stop_strings=tuple(getattr(p, "stop-strings")),
+            logit_mask=None if mask is None else tuple(mask),
+            deliver_every=getattr(p, "deliver-every"),
+            text=p.text,
+        )
+        handle = next(self._ids)
+        steps = self.run_steps[handle] = []
+        run = Run(spec, lambda *step: steps.append(step), self.decode, lambda: None)
+        self.runs[handle] = run
+        run.start()
+        return handle
+
+    def next_run_output(self, handle: int) -> int:
+        run, steps = self.runs[handle], self.run_steps[handle]
+        while steps and not run.ready():
+            feed, op, deliver = steps.pop(0)
+            self.prefilled.append(len(feed))
+            self.ctx(run.spec.context).extend(feed)
+            out = TokenOutput(token=self.sample(op, feed[-1]))
+            deliver(ForwardCompleted(corr=0, context=run.spec.context, outputs=(out,)))
+        return self.future(handle)
+
+    def run_output(self, pending: int) -> Record:
+        out = self.runs[self.take(pending)].take()
+        return record(
+            tokens=list(out.tokens),
+            text=out.text,
+            finished=out.finished,
+            final_token=out.final_token,
+            last_written=out.last_written,
+        )
+
     def future(self, value: Any) -> int:
         handle = next(self._ids)
         self.futures[handle] = value
@@ -273,7 +330,17 @@ class FakeHost:
                 "info": h.context_info,
                 "tokens": lambda c: list(h.ctx(c)),
             },
-            "forward": {"execute": h.execute, "outputs": h.take},
+            "forward": {
+                "execute": h.execute,
+                "outputs": h.take,
+                "step": lambda p: h.take(h.execute(p)),
+            },
+            "generate": {
+                "start": h.start_run,
+                "next": h.next_run_output,
+                "output": h.run_output,
+                "cancel": lambda run: h.runs[run].cancel(),
+            },
             "futures": {
                 "poll": h.poll,
                 "ready": lambda f: f in h.futures,
@@ -314,7 +381,13 @@ class FakeHost:
         }
 
 
-TAGGED = {("model", "info"), ("context", "info"), ("http", "fetched"), ("mcp", "called")}
+TAGGED = {
+    ("model", "info"),
+    ("context", "info"),
+    ("http", "fetched"),
+    ("mcp", "called"),
+    ("generate", "output"),
+}
 """Results whose ok value is a record: wasmtime-py then wants Variant('ok'/'err', ...)."""
 
 

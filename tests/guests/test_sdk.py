@@ -50,13 +50,42 @@ def test_a_chat_prompt_is_prefilled_as_one_encode_of_its_whole_render(
     assert host.calls["model.encode"] == 1
 
 
-def test_each_decode_step_costs_three_host_calls(probe: Path, tmp_path: Path) -> None:
+def test_a_whole_generation_is_one_run_with_no_host_call_per_token(
+    probe: Path, tmp_path: Path
+) -> None:
     _, _, host = run(probe, tmp_path, {"mode": "chat", "max_tokens": 5})
-    steps = host.calls["forward.execute"]
-    assert steps == host.calls["futures.poll"] == host.calls["forward.outputs"] == 5
+    assert host.calls["generate.start"] == host.calls["generate.output"] == 1
+    assert host.calls["forward.execute"] == host.calls["forward.step"] == 0
+    assert host.calls["futures.poll"] <= 1
     assert host.calls["model.decode"] == 1  # once, for the final text
     assert host.calls["context.info"] == host.calls["context.tokens"] == 0
     assert host.calls["context.reserve"] == 1
+
+
+def test_each_step_of_a_stepped_generation_is_one_host_call(probe: Path, tmp_path: Path) -> None:
+    _, _, host = run(probe, tmp_path, {"mode": "stepwise", "max_tokens": 5})
+    assert host.calls["forward.step"] == 5 + 1  # five steps, then the final flush
+    assert host.calls["forward.execute"] == host.calls["futures.poll"] == 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_tokens": 6},
+        {"max_tokens": 40, "prompt": "x"},
+        {"max_tokens": 20, "stops": ["fgh"]},
+        {"max_tokens": 20, "stops": ["e", "zz"], "prompt": "b"},
+        {"max_tokens": 12, "seed": 5},
+        {"max_tokens": 30, "seed": 11, "stops": ["q"]},
+    ],
+)
+def test_a_run_gives_what_stepping_gives(
+    probe: Path, tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    stepped, _, _ = run(probe, tmp_path, {"mode": "stepwise", **settings})
+    ran, _, host = run(probe, tmp_path, {"mode": "whole", **settings})
+    assert ran == stepped
+    assert host.calls["generate.start"] == 1
 
 
 def test_a_second_turn_continues_the_chat_exactly_as_the_template_renders_it(
@@ -77,7 +106,7 @@ def test_a_second_turn_continues_the_chat_exactly_as_the_template_renders_it(
 def test_concurrent_branches_wait_in_one_poll(probe: Path, tmp_path: Path) -> None:
     result, _, host = run(probe, tmp_path, {"mode": "gather", "n": 5})
     assert result == ["xyz"] * 5
-    assert host.poll_sizes[1:] == [5, 5, 5]
+    assert host.poll_sizes == [5]
 
 
 def test_streaming_stops_at_a_stop_string_without_showing_it(probe: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pie.actors.inferlet.files import FileLayout, InstanceFiles
 from pie.actors.inferlet.programs import Program
 from pie.actors.requester import REPLIES
 from pie.actors.runtime import Actor, MailboxOverrun, Router
-from pie.actors.speculator.lanes import Lanes
+from pie.dataplane.lanes import Lanes
 from pie.events import bus as bus_ev
 from pie.events import inferlet as ev
 from pie.events import kv as kv_ev
@@ -227,6 +227,7 @@ class InferletActor(Actor):
             )
         finally:
             bind(None)
+            state.cancel_runs()
         try:
             done(outcome)
         except trio.RunFinishedError:

@@ -74,3 +74,7 @@ class InFlight:
     from_reserve: int = 0
     """How many of the pages the pass took (added pages, then the tail's copy) came from the
     chain's reserve: a rollback returns those to the reserve rather than the pool."""
+    reused: list[int] = field(factory=list)
+    """Committed pages the pass attached instead of computing them (prefix caching)."""
+    parked: list[int] = field(factory=list)
+    """Reserved pages the reused ones made needless: the pass owns them until it settles."""

@@ -1,7 +1,8 @@
 """The kv actor's pure core: every context command in, placed passes and replies out.
 
 No trio here: `handle(event)` returns (destination, event) pairs, so tests and replay drive it
-directly.
+directly. A pass whose leading full pages are committed already (prefix caching) attaches them
+and sends only the rest of its tokens to the driver.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from attrs import frozen
 
 from pie.actors.kv.context import Chain, InFlight
 from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash
+from pie.actors.kv.prefix import PrefixCache, park_surplus, skip_tokens
 from pie.actors.kv.validation import RequestError, validate_forward
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
@@ -34,6 +36,17 @@ class KvStatistics:
     shared_page_hits: int
     tail_copies: int
     leases: int
+    prefix_cache: str = "user"
+    pages_cached: int = 0
+    """Free pages that still hold committed content a pass may reuse (part of pages_free)."""
+    prefix_lookups: int = 0
+    """Passes that looked for their leading full pages among the committed ones."""
+    prefix_hits: int = 0
+    """Lookups that reused at least one page."""
+    prefix_hit_pages: int = 0
+    prefix_hit_tokens: int = 0
+    """Tokens that never went to the driver because their pages were reused."""
+    pages_evicted: int = 0
 
 
 class KvCore:
@@ -41,14 +54,22 @@ class KvCore:
     """The kv mailbox: context commands, and the commits of passes run on the fast path."""
 
     def __init__(
-        self, *, num_pages: int, page_size: int, vocab_size: int, scheduler: str = "scheduler"
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        vocab_size: int,
+        data_plane: str = "inference",
+        prefix_cache: str = "user",
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self.vocab_size = vocab_size
-        self.scheduler = scheduler
-        self.pool = PagePool(num_pages)
+        self.data_plane = data_plane
+        """Where placed requests go (the inference actor, the data plane's face)."""
+        self.pool = PagePool(num_pages, retain=prefix_cache != "off")
+        self.prefix = PrefixCache(prefix_cache, self.pool, page_size)
         self.contexts: dict[int, Chain] = {}
         self.snapshots: dict[tuple[str, str], Chain] = {}
         self.in_flight: dict[int, InFlight] = {}
@@ -76,7 +97,7 @@ class KvCore:
     def _dispatch(self, event: Any) -> list[Output]:
         match event:
             case ev.SubmitForward():
-                return [(self.scheduler, ScheduleForward(request=self._place(event)))]
+                return [(self.data_plane, ScheduleForward(request=self._place(event)))]
             case ev.PassApplied():
                 self._settle(event)
                 return []
@@ -87,7 +108,8 @@ class KvCore:
                 self.pool.unpin(self.leases.pop(event.lease, ()))
                 return []
             case ev.CreateContext():
-                return self._created(event, Chain(owner=event.requester))
+                chain = Chain(owner=event.requester, salt=self.prefix.first_salt(event.user))
+                return self._created(event, chain)
             case ev.ForkContext():
                 source = self._owned(event.context, event.requester)
                 self._quiet(source, "fork")
@@ -101,7 +123,7 @@ class KvCore:
             case ev.DeleteSnapshot():
                 snapshot = self._snapshot((event.user, event.name))
                 del self.snapshots[(event.user, event.name)]
-                self.pool.release(snapshot.pages)
+                self._release_chain(snapshot.pages)
                 return [(event.requester, ev.Done(corr=event.corr))]
             case ev.DestroyContext():
                 self._owned(event.context, event.requester)
@@ -137,18 +159,27 @@ class KvCore:
             start = chain.next_position()
             positions = tuple(range(start, start + len(event.tokens)))
         old_length = len(chain.tokens)
-        needed = self._pages_for(old_length + len(event.tokens)) - len(chain.pages)
+        old_salt = chain.salt
+        salt = old_salt
+        if event.attention_masks is not None:
+            salt = _digest(old_salt, repr(event.attention_masks))
+        reuse = self.prefix.find(chain, event, positions, salt)
+        reused = [page for page, _ in reuse or ()]
+        needed = self._pages_for(old_length + len(event.tokens)) - len(chain.pages) - len(reused)
         tail = self._tail_needing_copy(chain, old_length)
-        added, from_reserve = self._take(chain, needed + (1 if tail is not None else 0))
+        count = needed + (1 if tail is not None else 0)
+        # Checked before anything changes, so that a refused pass leaves the cache as it was.
+        self.pool.check_room(count - len(chain.reserved), keep=reused)
+        self.prefix.attach(chain, reuse)
+        added, from_reserve = self._take(chain, count)
         copies: tuple[PageCopy, ...] = ()
         replaced = None
         if tail is not None:
             replaced = (tail, chain.pages[tail])
             copies = (self._copy_tail(chain, tail, added.pop()),)
         chain.pages.extend(added)
-        old_salt = chain.salt
-        if event.attention_masks is not None:
-            chain.salt = _digest(chain.salt, repr(event.attention_masks))
+        parked = park_surplus(chain, len(reused))
+        chain.salt = salt
         chain.tokens.extend(event.tokens)
         chain.positions.extend(positions)
         chain.in_flight = event.corr
@@ -163,8 +194,10 @@ class KvCore:
             replaced_tail=replaced,
             old_salt=old_salt,
             from_reserve=from_reserve,
+            reused=reused,
+            parked=parked,
         )
-        return ForwardRequest(
+        request = ForwardRequest(
             corr=event.corr,
             requester=event.requester,
             context=event.context,
@@ -179,6 +212,7 @@ class KvCore:
             copies=copies,
             lease=lease,
         )
+        return skip_tokens(request, len(reused) * self.page_size)
 
     def _grant(self, event: ev.SubmitForward, chain: Chain) -> Lease | None:
         """A lease on the context when the pass ends in a plain token sampler and the context
@@ -265,6 +299,7 @@ class KvCore:
                 self._commit_full_pages(chain)
             else:
                 self._roll_back(chain, flight)
+        self.pool.release(flight.parked)
         self.pool.unpin(flight.pinned)
 
     def _commit_full_pages(self, chain: Chain) -> None:
@@ -290,10 +325,13 @@ class KvCore:
         chain.lease = None
         del chain.tokens[flight.old_length :]
         del chain.positions[flight.old_length :]
+        del chain.hashes[flight.old_length // self.page_size :]
+        chain.written = min(chain.written, flight.old_length)
         chain.salt = flight.old_salt
         taken = list(flight.added_pages)
-        for page in flight.added_pages:
+        for page in [*flight.added_pages, *flight.reused]:
             chain.pages.remove(page)
+        self._release_chain(flight.reused)
         if flight.replaced_tail is not None:
             index, original = flight.replaced_tail
             taken.append(chain.pages[index])
@@ -301,6 +339,8 @@ class KvCore:
             chain.pages[index] = original
         # Each page goes back where `_take` found it, so the chain is as it was before the pass.
         chain.reserved[:0] = taken[: flight.from_reserve]
+        chain.reserved.extend(flight.parked)
+        flight.parked = []
         self.pool.release(taken[flight.from_reserve :])
 
     # -- context lifecycle -------------------------------------------------------------------
@@ -334,8 +374,13 @@ class KvCore:
 
     def _drop(self, context: int) -> None:
         chain = self.contexts.pop(context)
-        self.pool.release(chain.pages)
+        self._release_chain(chain.pages)
         self.pool.release(chain.reserved)
+
+    def _release_chain(self, pages: list[int]) -> None:
+        """Releases a run of a chain's pages from its end, so that the pages that become cached
+        are evicted deepest first: a cached page is only found through the pages before it."""
+        self.pool.release(reversed(pages))
 
     def _reserve(self, chain: Chain, count: int) -> None:
         # A pass in flight is no obstacle: it already holds its pages, and the pages it took
@@ -355,7 +400,7 @@ class KvCore:
             raise RequestError("invalid", f"cannot truncate {count} of {len(chain.tokens)} tokens")
         length = len(chain.tokens) - count
         keep = self._pages_for(length)
-        self.pool.release(chain.pages[keep:])
+        self._release_chain(chain.pages[keep:])
         del chain.pages[keep:]
         del chain.tokens[length:]
         del chain.positions[length:]
@@ -406,6 +451,11 @@ class KvCore:
         if chain.in_flight is not None:
             raise RequestError("busy", f"cannot {verb} a context while its pass is in flight")
 
+    @property
+    def prefix_cache(self) -> str:
+        """The prefix cache's scope: "off", "user" or "global"."""
+        return self.prefix.scope
+
     def statistics(self) -> KvStatistics:
         return KvStatistics(
             page_size=self.page_size,
@@ -417,6 +467,13 @@ class KvCore:
             shared_page_hits=self._shared_hits,
             tail_copies=self._tail_copies,
             leases=len(self.leases),
+            prefix_cache=self.prefix.scope,
+            pages_cached=self.pool.cached,
+            prefix_lookups=self.prefix.lookups,
+            prefix_hits=self.prefix.hits,
+            prefix_hit_pages=self.prefix.hit_pages,
+            prefix_hit_tokens=self.prefix.hit_pages * self.page_size,
+            pages_evicted=self.pool.evictions,
         )
 
     def state(self) -> tuple[object, ...]:
@@ -428,6 +485,7 @@ class KvCore:
             tuple(sorted(self.in_flight)),
             self._next_context,
             tuple(sorted((k, tuple(v)) for k, v in self.leases.items())),
+            self.pool.cache_order(),
         )
 
 

@@ -1,11 +1,12 @@
-"""The page pool: who owns each KV page, who pins it for a pass in flight, and the index of
-committed pages by content hash."""
+"""The page pool: who owns each KV page, who pins it for a pass in flight, the index of
+committed pages by content hash, and the committed pages kept after their last owner left."""
 
 from __future__ import annotations
 
 import hashlib
 import heapq
 import struct
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 
@@ -31,38 +32,63 @@ class PagePool:
     """Page ids 0..num_pages-1. A page is free when nothing owns or pins it.
 
     Owners are contexts and snapshots (a page with more than one owner is shared and must be
-    copied before a write); pins are passes in flight that read or write the page. Allocation
-    takes the lowest free ids, so the next allocation depends only on which pages are free, not
-    on the order they were freed in: undoing a change (a rolled-back pass) restores it exactly.
+    copied before a write); pins are passes in flight that read or write the page. With
+    `retain`, a committed page that becomes free is **cached**: it keeps its content hash, so a
+    later pass can take it back (`share`) instead of computing it again. Allocation takes the
+    lowest empty ids first, so while no cached page is needed the next allocation depends only
+    on which pages are free, not on the order they were freed in; then it evicts cached pages,
+    least recently released first, and forgets their hashes.
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, *, retain: bool = False) -> None:
         if num_pages < 1:
             raise ValueError("the page pool needs at least one page")
         self.num_pages = num_pages
+        self.retain = retain
         self._owners = [0] * num_pages
         self._pins = [0] * num_pages
         self._free = list(range(num_pages))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        """Free committed pages, least recently released first."""
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self.evictions = 0
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: the empty ones and the cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def cached(self) -> int:
+        return len(self._cached)
+
+    def check_room(self, count: int, keep: Iterable[int] = ()) -> None:
+        """Raises OutOfPages unless `count` pages can be allocated without evicting `keep`."""
+        room = self.free - sum(1 for page in set(keep) if page in self._cached)
+        if count > room:
+            raise OutOfPages(f"need {count} free KV pages, {room} of {self.num_pages} free")
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfPages(
-                f"need {count} free KV pages, {len(self._free)} of {self.num_pages} free"
-            )
-        pages = [heapq.heappop(self._free) for _ in range(count)]
+        self.check_room(count)
+        empty = min(count, len(self._free))
+        pages = [heapq.heappop(self._free) for _ in range(empty)]
+        pages += [self._evict() for _ in range(count - empty)]
         for page in pages:
             self._owners[page] = 1
         return pages
 
+    def lookup(self, content: bytes) -> int | None:
+        """The page committed under `content`, held or cached, if any."""
+        return self._by_hash.get(content)
+
     def share(self, pages: Iterable[int]) -> None:
+        """Counts one more owner of each page; a cached page is taken back out of the cache."""
         for page in pages:
-            assert self._owners[page] + self._pins[page] > 0, f"sharing free page {page}"
+            if page in self._cached:
+                del self._cached[page]
+            else:
+                assert self._owners[page] + self._pins[page] > 0, f"sharing free page {page}"
             self._owners[page] += 1
 
     def release(self, pages: Iterable[int]) -> None:
@@ -73,6 +99,7 @@ class PagePool:
 
     def pin(self, pages: Iterable[int]) -> None:
         for page in pages:
+            assert page not in self._cached, f"pinning cached page {page}"
             self._pins[page] += 1
 
     def unpin(self, pages: Iterable[int]) -> None:
@@ -102,9 +129,26 @@ class PagePool:
         """Owners, pins and the committed pages, for comparing two pools exactly."""
         return tuple(self._owners), tuple(self._pins), tuple(sorted(self._hash_of.items()))
 
+    def cache_order(self) -> tuple[int, ...]:
+        """The cached pages, the next to be evicted first."""
+        return tuple(self._cached)
+
     def _maybe_free(self, page: int) -> None:
-        if self._owners[page] == 0 and self._pins[page] == 0:
-            content = self._hash_of.pop(page, None)
-            if content is not None:
-                del self._by_hash[content]
-            heapq.heappush(self._free, page)
+        if self._owners[page] or self._pins[page]:
+            return
+        if self.retain and page in self._hash_of:
+            self._cached[page] = None
+            return
+        self._forget(page)
+        heapq.heappush(self._free, page)
+
+    def _evict(self) -> int:
+        page, _ = self._cached.popitem(last=False)
+        self._forget(page)
+        self.evictions += 1
+        return page
+
+    def _forget(self, page: int) -> None:
+        content = self._hash_of.pop(page, None)
+        if content is not None:
+            del self._by_hash[content]

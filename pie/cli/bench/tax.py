@@ -142,6 +142,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         real: tuple[Any, Any] | None = None
         tokenizer = None
         if args.real:
+            from pie.drivers.threads import set_wait_policy
+
+            set_wait_policy(base.driver)  # before the factory's imports load torch
             from pie.drivers.factory import build_torch_driver
 
             torch_driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, base)

@@ -12,6 +12,7 @@ from pie.sandbox.host import (
     context,
     forward,
     futures,
+    generate,
     http,
     mcp,
     messaging,
@@ -30,7 +31,19 @@ from pie.sandbox.host.state import (
 )
 
 TYPES_INTERFACE = "pie:inferlet/types@0.1.0"
-INTERFACES = (model, context, forward, futures, session, messaging, runtime, http, mcp, serving)
+INTERFACES = (
+    model,
+    context,
+    forward,
+    generate,
+    futures,
+    session,
+    messaging,
+    runtime,
+    http,
+    mcp,
+    serving,
+)
 
 
 def add_inferlet_api(linker: Linker) -> None:

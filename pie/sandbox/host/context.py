@@ -21,8 +21,10 @@ def _kv(make: Any, **fields: Any) -> Any:
 
 
 def _changing(ctx: int, *, running_ok: bool = False) -> None:
-    """Takes the context off the fast path before a command that changes its pages."""
+    """Ends the context's generation run and takes the context off the fast path before a
+    command that changes its pages."""
     state = current()
+    state.end_run(ctx)
     if state.lanes is not None:
         try:
             state.lanes.close(ctx, state.address, running_ok=running_ok)
@@ -32,7 +34,7 @@ def _changing(ctx: int, *, running_ok: bool = False) -> None:
 
 def create(model: int) -> int:
     model_view(model)
-    context: int = _kv(ev.CreateContext).context
+    context: int = _kv(ev.CreateContext, user=current().user).context
     return context
 
 

@@ -25,7 +25,7 @@ def _seed(params: Any) -> int | None:
     return seed
 
 
-def _slot_op(op: Any) -> s.SlotOp:
+def slot_op(op: Any) -> s.SlotOp:
     p: Any
     tag, p = (op.tag, op.payload) if isinstance(op, Variant) else (op, None)
     match tag:
@@ -54,13 +54,14 @@ def _slot_op(op: Any) -> s.SlotOp:
 
 def _slots(slots: list[Any]) -> tuple[s.SamplingSlot, ...]:
     try:
-        return tuple(s.SamplingSlot(index=slot.index, op=_slot_op(slot.op)) for slot in slots)
+        return tuple(s.SamplingSlot(index=slot.index, op=slot_op(slot.op)) for slot in slots)
     except (ValueError, TypeError) as exc:
         raise HostFailure("invalid", str(exc)) from exc
 
 
 def execute(pass_: Any) -> int:
     state = current()
+    state.forbid_run(pass_.context)
     positions = _get(pass_, "positions")
     masks = _get(pass_, "attention-masks")
     logit_mask = _get(pass_, "logit-mask")
@@ -115,6 +116,13 @@ def outputs(pending: int) -> list[Variant]:
     return [_output(out) for out in completed.outputs]
 
 
+def step(pass_: Any) -> list[Variant]:
+    handle = execute(pass_)
+    current().wait_any([handle])
+    return outputs(handle)
+
+
 def register(instance: LinkerInstance) -> None:
     add_host_func(instance, "execute", host_call(execute))
     add_host_func(instance, "outputs", host_call(outputs))
+    add_host_func(instance, "step", host_call(step))

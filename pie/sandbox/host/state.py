@@ -16,6 +16,7 @@ from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.kv import RequestFailed
 from pie.events.sampling import SamplingSlot
+from pie.sandbox.host.runs import Run
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
@@ -135,6 +136,10 @@ class InstanceState:
         self._child_by_instance: dict[str, int] = {}
         self._session: collections.deque[inf_ev.SessionInput] = collections.deque()
         self._session_waiting: collections.deque[int] = collections.deque()
+        self._callbacks: dict[int, Callable[[Any], None]] = {}
+        self.runs: dict[int, Run] = {}
+        self._run_on_context: dict[int, int] = {}
+        self._run_waiting: dict[int, list[int]] = {}
         kill.add_waker(self._wake)
 
     # -- guest thread --------------------------------------------------------------------
@@ -155,6 +160,12 @@ class InstanceState:
             self._by_corr[event.corr] = handle
         self.bridge.post(dst, event)
         return handle
+
+    def submit_to(self, dst: str, event: Any, deliver: Callable[[Any], None]) -> None:
+        """Sends a command whose reply is handed to `deliver` (on the Trio thread)."""
+        with self._cond:
+            self._callbacks[event.corr] = deliver
+        self.bridge.post(dst, event)
 
     def expect(self, kind: str) -> tuple[int, Callable[[Any], None]]:
         """A new pollable and the function that fills it from any thread."""
@@ -291,9 +302,88 @@ class InstanceState:
                 raise HostFailure("invalid", f"child {child} has not started")
             return entry.instance
 
+    # -- generation runs (guest thread, but `run_progressed`) -----------------------------
+
+    def add_run(self, handle: int, run: Run) -> None:
+        """Registers a run; a context carries one run at a time."""
+        context = run.spec.context
+        with self._cond:
+            other = self._run_on_context.get(context)
+            if other is not None and self.runs[other].finished is None:
+                raise HostFailure("busy", f"context {context} already has a generation run")
+            self.runs[handle] = run
+            self._run_on_context[context] = handle
+            self._run_waiting[handle] = []
+
+    def remove_run(self, handle: int) -> None:
+        with self._cond:
+            run = self.runs.pop(handle, None)
+            self._run_waiting.pop(handle, None)
+            if run is not None and self._run_on_context.get(run.spec.context) == handle:
+                del self._run_on_context[run.spec.context]
+
+    def run(self, handle: int) -> Run:
+        with self._cond:
+            run = self.runs.get(handle)
+        if run is None:
+            raise HostFailure("no-such-handle", f"no generation run {handle}")
+        return run
+
+    def next_run_output(self, handle: int) -> int:
+        """A pollable that is ready once the run has output for the program."""
+        run = self.run(handle)
+        pollable = self.new_handle()
+        with self._cond:
+            self.pollables[pollable] = Pending("run", value=handle)
+            self._run_waiting[handle].append(pollable)
+        if run.ready():
+            self.run_progressed(handle)
+        return pollable
+
+    def run_progressed(self, handle: int) -> None:
+        """The run has output ready (any thread): wakes the program's first waiting pollable."""
+        with self._cond:
+            waiting = self._run_waiting.get(handle)
+            if waiting:
+                self._fill(waiting.pop(0), handle)
+
+    def take_run_pollable(self, pollable: int) -> tuple[int, Run]:
+        handle: int = self.take(pollable, "run")
+        return handle, self.run(handle)
+
+    def end_run(self, context: int) -> None:
+        """Cancels the context's run, if any, and waits until no pass of it is in flight."""
+        with self._cond:
+            handle = self._run_on_context.get(context)
+            run = self.runs.get(handle) if handle is not None else None
+        if run is not None and run.finished is None:
+            run.cancel()
+            run.wait_settled(self._alive)
+
+    def cancel_runs(self) -> None:
+        """Ends every run after its pass in flight (the program has ended)."""
+        with self._cond:
+            runs = list(self.runs.values())
+        for run in runs:
+            run.cancel()
+
+    def forbid_run(self, context: int) -> None:
+        """Refuses a pass of the program's own on a context that a run is carrying."""
+        if not self._run_on_context:  # the per-token path of programs without runs
+            return
+        with self._cond:
+            handle = self._run_on_context.get(context)
+            if handle is not None and self.runs[handle].finished is None:
+                raise HostFailure("busy", f"context {context} has a generation run")
+
+    def _alive(self) -> None:
+        with self._cond:
+            self._check_alive()
+
     # -- Trio thread ---------------------------------------------------------------------
 
     def deliver(self, event: Any) -> None:
+        callback = None
         with self._cond:
             match event:
                 case bus_ev.TopicMessage():
@@ -318,9 +408,13 @@ class InstanceState:
                         self._child_by_instance[event.instance] = child
                     self._fill(self._by_corr.pop(event.corr, -1), event)
                 case _:
-                    handle = self._by_corr.pop(getattr(event, "corr", -1), None)
+                    corr = getattr(event, "corr", -1)
+                    callback = self._callbacks.pop(corr, None)
+                    handle = self._by_corr.pop(corr, None)
                     if handle is not None:
                         self._fill(handle, event)
+        if callback is not None:
+            callback(event)
 
     # -- internals (callers hold the condition) -------------------------------------------
 

@@ -67,6 +67,13 @@ class InferletLoop(asyncio.BaseEventLoop):
             futures.discard(handle)
 
 
+def idle() -> bool:
+    """Whether nothing else on the inferlet's loop could run while this task waits: then a host
+    call may block the thread (one call in place of a submit, a poll and a read)."""
+    loop = asyncio.get_running_loop()
+    return isinstance(loop, InferletLoop) and loop.idle()
+
+
 async def ready(handle: int) -> None:
     """Waits (without blocking other tasks) until host future `handle` is ready."""
     loop = asyncio.get_running_loop()

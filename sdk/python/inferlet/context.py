@@ -118,16 +118,22 @@ class Context:
         max_tokens: int = 256,
         stop_tokens: Iterable[int] | None = None,
         stop_strings: Iterable[str] = (),
+        logit_mask: Sequence[int] | None = None,
+        deliver_every: int | None = None,
     ) -> Generation:
         """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
-        stop tokens) or once the text contains one of `stop_strings`. Nothing runs until the
-        result is awaited or iterated."""
+        stop tokens) or once the text contains one of `stop_strings`. `logit_mask` (run lengths
+        over the vocabulary) limits every step's choice. Nothing runs until the result is
+        awaited or iterated; then the engine carries the loop, waking this inferlet every
+        `deliver_every` tokens when streaming (default 1) or once at the end."""
         return Generation(
             self,
             sampler or Sampler.argmax(),
             max_tokens=max_tokens,
             stop_tokens=self.model.stop_tokens if stop_tokens is None else stop_tokens,
             stop_strings=stop_strings,
+            logit_mask=logit_mask,
+            deliver_every=deliver_every,
         )
 
     async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:

@@ -33,7 +33,10 @@ def runs(mask: Iterable[bool]) -> list[int]:
 
 
 async def run_pass(pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
-    """Submits a pass, waits for it on the loop, and takes its outputs (three host calls)."""
+    """Runs a pass: in one host call that blocks while nothing else on the loop could run,
+    otherwise submitted, awaited on the loop (so other branches batch with it) and read."""
+    if _loop.idle():
+        return call(fw.step, pass_)
     handle = call(fw.execute, pass_)
     await _loop.ready(handle)
     return call(fw.outputs, handle)

@@ -1,18 +1,22 @@
 """`Generation`: the decode loop behind `ctx.generate(...)`, consumed by awaiting it, by
 `collect_text()` / `collect_tokens()`, or by `async for piece in ...` (streamed text).
 
-Each step is three host calls (execute, poll, outputs); text is decoded per step only when
-streaming or stop strings need it.
+Consumed whole or streamed, it is a generation run: the engine carries the loop, one pass per
+token, with no inferlet code between tokens, and wakes the inferlet when it has tokens for it
+(every `deliver_every` tokens, or at the end). `step()` drives it one pass at a time instead,
+for programs that act between tokens; both give the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from wit_world.imports import forward as fw
+from wit_world.imports import generate as gen
 
-from inferlet.errors import HostError
+from inferlet import _loop
+from inferlet.errors import HostError, call
 from inferlet.forward import run_pass
 from inferlet.sampling import Sampler
 from inferlet.text import TextStream
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from inferlet.context import Context
 
 _NO_PAGES = ("out-of-pages", "out_of_pages")
+_REASONS = {"stop-token": "stop_token", "stop-string": "stop_string"}
 
 
 class Generation:
@@ -34,23 +39,34 @@ class Generation:
         max_tokens: int,
         stop_tokens: Iterable[int],
         stop_strings: Iterable[str],
+        logit_mask: Sequence[int] | None = None,
+        deliver_every: int | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if deliver_every is not None and deliver_every < 1:
+            raise ValueError("deliver_every must be at least 1")
         self.tokens: list[int] = []
         """Tokens generated so far (a stop token that ended the generation is not included)."""
         self.prompt_tokens = 0
         """Tokens the first pass fed: the queued input (prefill), or 1 when there was none."""
         self.stop_reason: str | None = None
-        """"stop_token", "stop_string" or "length" once finished ("error" after a failed step)."""
+        """"stop_token", "stop_string", "length" or "cancelled" once finished ("error" after a
+        failed pass)."""
         self._ctx = ctx
         self._sampler = sampler
         self._op = None if sampler.seed is not None else sampler.slot_op()
         self._max_tokens = max_tokens
         self._stop_tokens = frozenset(stop_tokens)
-        stops = tuple(stop_strings)
-        self._stream = TextStream(ctx.model, stops) if stops else None
+        self._stops = tuple(s for s in stop_strings if s)
+        self._logit_mask = None if logit_mask is None else list(logit_mask)
+        self._deliver_every = deliver_every
+        self._stream = TextStream(ctx.model, self._stops) if self._stops else None
         self._feed: list[int] | None = None
+        self._run: int | None = None
+        self._streaming = False
+        self._pieces: list[str] = []
+        self._run_text: list[str] | None = None
         self._text: str | None = None
 
     @property
@@ -58,6 +74,8 @@ class Generation:
         return self.stop_reason is not None
 
     async def collect_tokens(self) -> list[int]:
+        if self._feed is None and not self.done:
+            await self._run_to(None)
         while not self.done:
             await self._step()
         return list(self.tokens)
@@ -69,6 +87,8 @@ class Generation:
     @property
     def text(self) -> str:
         """The text generated so far (up to, not including, a stop string that ended it)."""
+        if self._run_text is not None:
+            return "".join(self._run_text)
         if self._stream is not None:
             return self._stream.text
         if self._text is None or not self.done:
@@ -79,22 +99,17 @@ class Generation:
         return self.collect_text().__await__()
 
     def __aiter__(self) -> Generation:
-        if self._stream is None:
-            if self._feed is not None:
-                raise RuntimeError("stream a generation from its start (iterate before awaiting)")
-            self._stream = TextStream(self._ctx.model)
+        if self._feed is not None or self._run is not None:
+            raise RuntimeError("stream a generation from its start (iterate before awaiting)")
+        self._streaming = True
         return self
 
     async def __anext__(self) -> str:
-        assert self._stream is not None, "iterate with `async for`"
-        while not self.done:
-            await self._step()
-            piece = self._stream.release()
-            if piece:
-                return piece
-        piece = self._stream.release(final=True)
-        if piece:
-            return piece
+        assert self._streaming, "iterate with `async for`"
+        while not self._pieces and not self.done:
+            await self._run_to(self._deliver_every or 1)
+        if self._pieces:
+            return self._pieces.pop(0)
         raise StopAsyncIteration
 
     async def step(self) -> None:
@@ -102,7 +117,74 @@ class Generation:
         between tokens. Check `done` before each call; `tokens` grows by the step's token."""
         if self.done:
             raise RuntimeError("the generation has finished")
+        if self._run is not None:
+            raise RuntimeError("the generation runs in the engine: consume it whole or stream it")
         await self._step()
+
+    # -- a run carried by the engine -------------------------------------------------------------
+
+    async def _run_to(self, deliver_every: int | None) -> None:
+        """Starts the run if needed and waits for its next output (its end when
+        `deliver_every` is None)."""
+        if self._run is None:
+            self._start_run(deliver_every or 0)
+        assert self._run is not None
+        pending = call(gen.next, self._run)
+        try:
+            await _loop.ready(pending)
+            out = call(gen.output, pending)
+        except BaseException:
+            self._abandon_run()
+            raise
+        self._take_output(out)
+
+    def _start_run(self, deliver_every: int) -> None:
+        feed = self._start()
+        text = self._streaming or bool(self._stops)
+        self._run_text = [] if text else None
+        self._stream = None
+        params = gen.RunParams(
+            context=self._ctx.handle,
+            tokens=feed,
+            sampler=self._sampler.slot_op(),
+            max_tokens=self._max_tokens,
+            stop_tokens=sorted(self._stop_tokens),
+            stop_strings=list(self._stops),
+            logit_mask=self._logit_mask,
+            deliver_every=deliver_every,
+            text=text,
+        )
+        try:
+            self._run = call(gen.start, params)
+        except BaseException:
+            self.stop_reason = "error"
+            self._ctx.release(None)
+            raise
+
+    def _take_output(self, out: gen.RunOutput) -> None:
+        self.tokens.extend(out.tokens)
+        if self._run_text is not None and out.text:
+            self._run_text.append(out.text)
+            if self._streaming:
+                self._pieces.append(out.text)
+        if out.finished is None:
+            return
+        reason = _REASONS.get(out.finished, out.finished)
+        assert out.final_token is not None and out.last_written is not None
+        self._finish(reason, out.final_token, out.last_written)
+
+    def _abandon_run(self) -> None:
+        """The run's output could not be read (a failed pass, or the task was cancelled)."""
+        self.stop_reason = "error"
+        run, self._run = self._run, None
+        if run is not None:
+            try:
+                call(gen.cancel, run)
+            except HostError:
+                pass
+        self._ctx.release(None)
+
+    # -- the per-step loop -----------------------------------------------------------------------
 
     async def _step(self) -> None:
         ctx = self._ctx
@@ -110,7 +192,9 @@ class Generation:
             self._feed = self._start()
         feed, step = self._feed, len(self.tokens)
         op = self._op or self._sampler.at_step(step).slot_op()
-        pass_ = fw.ForwardPass(ctx.handle, feed, None, None, None, [fw.Slot(len(feed) - 1, op)])
+        pass_ = fw.ForwardPass(
+            ctx.handle, feed, None, None, self._logit_mask, [fw.Slot(len(feed) - 1, op)]
+        )
         try:
             token = (await run_pass(pass_))[0].value
         except BaseException:
@@ -158,6 +242,7 @@ class Generation:
         """The last sampled token is not written yet: it stays queued in the context, so the
         context holds everything generated (a chat turn is closed as the template renders it)."""
         self.stop_reason = reason
+        self._run = None
         if self._stream is not None:
             self._stream.finish()
         ctx = self._ctx

@@ -55,6 +55,41 @@ async def stream(input: dict[str, Any]) -> Any:
     return {"pieces": pieces, "text": generation.text, "stop": generation.stop_reason}
 
 
+def _generation(input: dict[str, Any]) -> Any:
+    seed = input.get("seed")
+    sampler = Sampler.argmax() if seed is None else Sampler.top_p(0.9, seed=seed)
+    ctx = Context(get_model()).fill(input.get("prompt", "go:"))
+    generation = ctx.generate(
+        sampler, max_tokens=input["max_tokens"], stop_strings=input.get("stops", [])
+    )
+    return ctx, generation
+
+
+async def stepwise(input: dict[str, Any]) -> Any:
+    ctx, generation = _generation(input)
+    while not generation.done:
+        await generation.step()
+    await ctx.flush()
+    return {
+        "tokens": generation.tokens,
+        "text": generation.text,
+        "stop": generation.stop_reason,
+        "context": ctx.tokens,
+    }
+
+
+async def whole(input: dict[str, Any]) -> Any:
+    ctx, generation = _generation(input)
+    await generation
+    await ctx.flush()
+    return {
+        "tokens": generation.tokens,
+        "text": generation.text,
+        "stop": generation.stop_reason,
+        "context": ctx.tokens,
+    }
+
+
 async def seeded(input: dict[str, Any]) -> Any:
     base = Context(get_model()).fill("q")
     await base.flush()
@@ -159,6 +194,8 @@ MODES = {
     "multi-turn": multi_turn,
     "gather": gather,
     "stream": stream,
+    "stepwise": stepwise,
+    "whole": whole,
     "seeded": seeded,
     "errors": errors,
     "snapshot": snapshot,

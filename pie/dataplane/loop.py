@@ -1,14 +1,10 @@
 """The pass loop: the one thread that calls the driver.
 
-Each pass takes the scheduler's batch, when one is waiting, and fills the rest of the driver's
-limits with queued lane passes (pie/actors/speculator/lanes.py), one per context. When the
-pass ends, staged passes are queued and the next pass starts; lane results reach their programs,
-and what the scheduler sent reaches the Trio thread as one `PassReport`, from the outbox thread
-while that next pass runs.
-
-Lanes whose programs have yet to ask for their next pass (all of them at depth 0, nothing being
-staged) are awaited: the loop waits for them before firing, up to one pass time (the
-scheduler's rule), or concurrent decoders would split into ever smaller batches.
+The batch former (former.py) decides what each pass holds and when it fires: placed requests
+from the kv actor and queued lane passes (lanes.py) alike. When a pass ends, staged passes are
+queued and the next pass starts at once when the former says so; lane results reach their
+programs, and what the kv actor placed reaches the Trio thread as one `PassReport`, from the
+outbox thread while that next pass runs.
 """
 
 from __future__ import annotations
@@ -20,9 +16,10 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from attrs import define, field
+from attrs import define
 
-from pie.actors.speculator.lanes import Effects, LanePass, Lanes
+from pie.dataplane.former import BatchFormer, BatchStatistics, FormedPass, LaneState
+from pie.dataplane.lanes import Effects, LanePass, Lanes
 from pie.drivers.base import Driver
 from pie.drivers.batch import ForwardBatch
 from pie.events.forward import ForwardRequest
@@ -31,20 +28,16 @@ from pie.events.sampling import SlotOutput
 
 @define
 class PassReport:
-    """One pass, as the Trio thread needs it: the scheduler's requests and what became of
+    """One pass, as the Trio thread needs it: the placed requests it ran and what became of
     each (their outputs, or the exception that failed them)."""
 
-    batch: int | None
+    batch: int
     requests: Sequence[ForwardRequest]
     results: list[list[SlotOutput] | Exception]
     seconds: float
 
 
-@define
-class _Pending:
-    batch: int
-    requests: Sequence[ForwardRequest]
-    arrived: float = field(factory=time.perf_counter)
+Work = tuple[FormedPass, list[LanePass]]
 
 
 class PassLoop:
@@ -52,20 +45,15 @@ class PassLoop:
         self,
         driver: Driver,
         lanes: Lanes,
+        former: BatchFormer,
         report: Callable[[PassReport], None],
-        *,
-        max_requests: int,
-        max_tokens: int,
     ) -> None:
         self.driver = driver
         self.lanes = lanes
+        self.former = former
         self._report = report
-        self._max_requests = max_requests
-        self._max_tokens = max_tokens
         self._cond = lanes.cond
-        self._batches: collections.deque[_Pending] = collections.deque()
         self._stopping = False
-        self._last_end = 0.0
         self.passes = 0
         self.lane_passes = 0
         self.tokens = 0
@@ -86,16 +74,20 @@ class PassLoop:
             self._cond.notify_all()
         self._outbox.stop()
 
-    def execute(self, batch: int, requests: Sequence[ForwardRequest]) -> None:
-        """The scheduler's batch, run in the next pass (Trio thread)."""
+    def submit(self, request: ForwardRequest) -> None:
+        """A request the kv actor placed, for the former to put in a pass (any thread)."""
         with self._cond:
-            self._batches.append(_Pending(batch, requests))
+            self.former.submit(request, time.perf_counter())
             self._cond.notify_all()
+
+    def batch_statistics(self) -> BatchStatistics:
+        with self._cond:
+            return self.former.statistics()
 
     # -- the driver thread -----------------------------------------------------------------
 
     def _main(self) -> None:
-        taken: tuple[_Pending | None, list[LanePass]] | None = None
+        taken: Work | None = None
         while True:
             if taken is None:
                 with self._cond:
@@ -108,7 +100,7 @@ class PassLoop:
                 traceback.print_exc(file=sys.stderr)
                 taken = None
 
-    def _wait_for_work(self) -> tuple[_Pending | None, list[LanePass]] | None:
+    def _wait_for_work(self) -> Work | None:
         while not self._stopping:
             taken, timeout = self._next_work()
             if taken is not None:
@@ -116,49 +108,36 @@ class PassLoop:
             self._cond.wait(timeout)
         return None
 
-    def _next_work(self) -> tuple[tuple[_Pending | None, list[LanePass]] | None, float | None]:
-        """The next pass's work when it should start now, else None and how long to wait for
-        it (None: until notified). The caller holds `cond`."""
-        if self._batches:
-            pending = self._batches.popleft()
-            return (pending, self._take_lanes(pending)), None
-        if not self.lanes.has_ready():
-            return None, None
-        due = self._lanes_due_in()
-        if due > 0:
-            return None, due
-        return (None, self._take_lanes(None)), None
+    def _next_work(self) -> tuple[Work | None, float | None]:
+        """The next pass's work when the former fires it now, else None and how long to wait
+        (None: until notified). The caller holds `cond`."""
+        now = time.perf_counter()
+        lanes = LaneState(ready=self.lanes.ready, awaited=bool(self.lanes.awaited))
+        formed = self.former.next_batch(now, lanes)
+        if formed is None:
+            deadline = self.former.deadline(lanes)
+            return None, None if deadline is None else max(deadline - now, 0.0)
+        return (formed, self.lanes.take_ready(formed.lanes)), None
 
-    def _lanes_due_in(self) -> float:
-        """Seconds until queued lane passes should go without the lanes still awaited."""
-        if not self.lanes.awaited:
-            return 0.0
-        return self._last_end + self.last_seconds - time.perf_counter()
-
-    def _take_lanes(self, pending: _Pending | None) -> list[LanePass]:
-        requests = len(pending.requests) if pending else 0
-        tokens = sum(len(r.tokens) for r in pending.requests) if pending else 0
-        room = min(self._max_requests - requests, self._max_tokens - tokens)
-        return self.lanes.take_ready(max(room, 0))
-
-    def _run(
-        self, pending: _Pending | None, lane_passes: list[LanePass]
-    ) -> tuple[_Pending | None, list[LanePass]] | None:
+    def _run(self, formed: FormedPass, lane_passes: list[LanePass]) -> Work | None:
         """Runs one pass and returns the next one's work when it can start at once. Only
         what decides that next pass is done before it: the deliveries, posts, report and
         counters are settled by the outbox thread while it runs."""
-        requests = pending.requests if pending is not None else ()
+        requests = formed.requests
         started = time.perf_counter()
         results, lane_outputs = self._forward(requests, lane_passes)
         ended = time.perf_counter()
         self.last_seconds = ended - started
-        self._last_end = ended
         effects: list[Effects] = []
         with self._cond:
+            self.former.pass_finished(ended - started, ended)
             if lane_passes:
                 effects.append(self.lanes.completed(lane_passes, lane_outputs))
             for request, result in zip(requests, results, strict=True):
-                if request.lease is not None and request.final:
+                failed = isinstance(result, Exception)
+                if failed and not request.final:
+                    self.former.drop(request.corr)
+                if request.lease is not None and (request.final or failed):
                     output = result[-1] if isinstance(result, list) and result else None
                     effects.append(self.lanes.opened(request.lease, output))
             taken, _ = self._next_work()
@@ -170,8 +149,8 @@ class PassLoop:
             self.tokens += len(lane_passes) + sum(len(r.tokens) for r in requests)
             for batch in effects:
                 self.lanes.run(batch)
-            if pending is not None:
-                self._report(PassReport(pending.batch, requests, results, ended - started))
+            if requests:
+                self._report(PassReport(formed.batch, requests, results, ended - started))
 
         # When the next pass starts at once, the outbox settles this one while it runs;
         # otherwise this thread does it now, after anything the outbox still holds.

@@ -1,5 +1,5 @@
-"""One context's lane: its lease, the passes run or staged on it, and the prediction of the
-sampler its next pass will use (pie/actors/speculator/lanes.py coordinates lanes)."""
+"""One context's lane: its lease and the passes run or staged on it (lanes.py coordinates the
+lanes; speculator.py predicts and stages their passes)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 from attrs import define, field
 
 from pie.events.sampling import SlotOp, SlotOutput
@@ -52,6 +51,7 @@ class Lane:
     live: int = 0
     """Passes queued or running that will still run (claimed or staged)."""
     seed_step: int = 1
+    """How far the program moves its sampler's seed per pass, as the speculator learned it."""
     closed: bool = False
     released: bool = False
 
@@ -64,20 +64,3 @@ class Lane:
 
     def page_of(self, slot: int) -> int:
         return self.lease.pages[slot // self.page_size]
-
-    def next_op(self, op: SlotOp) -> SlotOp:
-        """The sampler predicted for the pass after one run with `op`: its seed stream moves
-        on by the lane's step."""
-        seed = getattr(op, "seed", None)
-        if seed is None or self.seed_step == 0:
-            return op
-        return attrs.evolve(op, seed=(seed + self.seed_step) % SEED_MODULUS)
-
-    def learn_seed_step(self, op: SlotOp) -> None:
-        """A program that reuses one seed, or strides by another step, is predicted so from
-        its next pass on (`op` is what it asked for instead of the prediction)."""
-        got, had = getattr(op, "seed", None), getattr(self.base_op, "seed", None)
-        if got is None or had is None or type(op) is not type(self.base_op):
-            return
-        if attrs.evolve(op, seed=had) == self.base_op:
-            self.seed_step = (got - had) % SEED_MODULUS

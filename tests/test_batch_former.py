@@ -1,5 +1,6 @@
-"""The scheduler core with time passed in: batch limits, chunked prefill, FIFO order, the
-adaptive firing rule and its statistics."""
+"""The batch former with time passed in: batch limits, chunked prefill, decodes before prefill
+chunks, lanes first with room kept for queued work, the adaptive firing rule and its
+statistics."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from pie.actors.scheduler import BatchPolicy, SchedulerCore, SchedulerStatistics
-from pie.events.batching import ExecuteBatch
+from pie.dataplane.former import BatchFormer, BatchPolicy, BatchStatistics, FormedPass, LaneState
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import Argmax, Entropy, SamplingSlot
 from pie.events.speculation import Lease
@@ -32,7 +32,7 @@ def request(
     )
 
 
-def fire(core: SchedulerCore, now: float = 0.0, seconds: float = 0.0) -> ExecuteBatch:
+def fire(core: BatchFormer, now: float = 0.0, seconds: float = 0.0) -> FormedPass:
     """The next batch, which must fire at `now`; the pass is then reported finished."""
     batch = core.next_batch(now)
     assert batch is not None
@@ -40,7 +40,7 @@ def fire(core: SchedulerCore, now: float = 0.0, seconds: float = 0.0) -> Execute
     return batch
 
 
-def drain(core: SchedulerCore) -> list[ExecuteBatch]:
+def drain(core: BatchFormer) -> list[FormedPass]:
     batches = []
     while core.statistics().pending:
         batches.append(fire(core, now=1e9))
@@ -48,19 +48,19 @@ def drain(core: SchedulerCore) -> list[ExecuteBatch]:
 
 
 def test_the_first_request_fires_at_once() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     core.submit(request(1), now=5.0)
     batch = core.next_batch(5.0)
     assert batch is not None and [r.corr for r in batch.requests] == [1]
 
 
 def test_an_empty_queue_fires_nothing() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     assert core.next_batch(0.0) is None and core.deadline() is None
 
 
 def test_batches_hold_at_most_max_batch_requests() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_requests=3))
+    core = BatchFormer(BatchPolicy(max_batch_requests=3))
     for corr in range(1, 8):
         core.submit(request(corr), now=0.0)
     sizes = [len(b.requests) for b in drain(core)]
@@ -68,7 +68,7 @@ def test_batches_hold_at_most_max_batch_requests() -> None:
 
 
 def test_batches_hold_at_most_max_batch_tokens_and_keep_every_token_in_order() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=10))
     for corr in range(1, 6):
         core.submit(request(corr, 4), now=0.0)
     batches = drain(core)
@@ -78,7 +78,7 @@ def test_batches_hold_at_most_max_batch_tokens_and_keep_every_token_in_order() -
 
 
 def test_a_batch_holds_one_request_per_context() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     core.submit(request(1, context=7), now=0.0)
     core.submit(request(2, context=7), now=0.0)
     core.submit(request(3, context=8), now=0.0)
@@ -87,7 +87,7 @@ def test_a_batch_holds_one_request_per_context() -> None:
 
 
 def test_a_long_prefill_is_split_into_chunks_in_order() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=10))
     slots = (
         SamplingSlot(index=3, op=Argmax()),
         SamplingSlot(index=12, op=Entropy()),
@@ -114,7 +114,7 @@ def test_a_long_prefill_is_split_into_chunks_in_order() -> None:
 
 
 def test_a_chunk_without_slots_carries_none() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=4))
     core.submit(request(1, 8, slots=(SamplingSlot(index=7, op=Argmax()),)), now=0.0)
     first, last = (b.requests[0] for b in drain(core))
     assert (first.slots, first.slot_positions) == ((), ())
@@ -122,7 +122,7 @@ def test_a_chunk_without_slots_carries_none() -> None:
 
 
 def test_a_slot_on_a_chunk_boundary_goes_with_the_chunk_it_starts() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=4))
     core.submit(request(1, 8, slots=(SamplingSlot(index=4, op=Argmax()),)), now=0.0)
     first, last = (b.requests[0] for b in drain(core))
     assert (first.slots, first.slot_positions) == ((), ())
@@ -130,7 +130,7 @@ def test_a_slot_on_a_chunk_boundary_goes_with_the_chunk_it_starts() -> None:
 
 
 def test_chunks_continue_from_the_requests_kv_start() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=4))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=4))
     core.submit(
         ForwardRequest(
             corr=1,
@@ -147,8 +147,8 @@ def test_chunks_continue_from_the_requests_kv_start() -> None:
     assert [(c.kv_start, c.kv_len) for c in chunks] == [(9, 13), (13, 15)]
 
 
-def test_a_long_prefill_keeps_its_turn_and_those_behind_it_follow_in_order() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+def test_decodes_go_before_a_long_prefill_which_takes_the_budget_they_leave() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_tokens=10, decode_tokens=2))
     core.submit(request(1, 2), now=0.0)
     core.submit(request(2, 25), now=0.0)
     core.submit(request(3, 2), now=0.0)
@@ -157,12 +157,80 @@ def test_a_long_prefill_keeps_its_turn_and_those_behind_it_follow_in_order() -> 
         batch = fire(core, now=float(step))
         orders.append([(r.corr, len(r.tokens)) for r in batch.requests])
         core.submit(request(10 + step, 2), now=float(step))
-    assert orders[:3] == [[(1, 2), (2, 8)], [(2, 10)], [(2, 7), (3, 2), (10, 1)]]
-    assert orders[3][:2] == [(10, 1), (11, 2)]
+    assert orders == [
+        [(1, 2), (3, 2), (2, 6)],
+        [(10, 2), (2, 8)],
+        [(11, 2), (2, 8)],
+        [(12, 2), (2, 3)],
+    ]
+
+
+def test_without_decode_first_a_prefill_would_hold_the_decodes_behind_it() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_tokens=8, decode_tokens=1))
+    core.submit(request(1, 30), now=0.0)
+    core.submit(request(2, 1), now=0.0)
+    batch = fire(core)
+    assert [(r.corr, len(r.tokens)) for r in batch.requests] == [(2, 1), (1, 7)]
+
+
+def test_a_contexts_decode_never_overtakes_its_own_earlier_prefill() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_tokens=8))
+    core.submit(request(1, 30, context=5), now=0.0)
+    core.submit(request(2, 1, context=5), now=0.0)
+    core.submit(request(3, 1, context=6), now=0.0)
+    first = fire(core)
+    assert [r.corr for r in first.requests] == [3, 1]
+    corrs = [r.corr for b in drain(core) for r in b.requests]
+    assert corrs.index(2) > max(i for i, c in enumerate(corrs) if c == 1)
+
+
+def test_lane_passes_fill_the_pass_first_and_leave_room_for_queued_work() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_requests=4, max_batch_tokens=64))
+    core.submit(request(1, 3), now=0.0)
+    batch = core.next_batch(0.0, LaneState(ready=10))
+    assert batch is not None and batch.lanes == 3 and [r.corr for r in batch.requests] == [1]
+
+
+def test_lanes_alone_fire_a_pass_up_to_the_request_limit() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_requests=4))
+    batch = core.next_batch(0.0, LaneState(ready=10))
+    assert batch is not None and batch.lanes == 4 and batch.requests == ()
+    core.pass_finished(0.5, now=1.0)
+    stats = core.statistics()
+    assert (stats.lane_passes, stats.requests, stats.tokens, stats.last_batch_size) == (4, 0, 4, 4)
+
+
+def test_an_awaited_lane_holds_the_pass_until_the_watchdog() -> None:
+    core = BatchFormer(BatchPolicy())
+    assert core.next_batch(0.0, LaneState(ready=2)) is not None
+    core.pass_finished(0.5, now=1.0)
+    waiting = LaneState(ready=1, awaited=True)
+    assert core.next_batch(1.2, waiting) is None
+    assert core.deadline(waiting) == 1.5
+    batch = core.next_batch(1.5, waiting)
+    assert batch is not None and batch.lanes == 1
+
+
+def test_an_awaited_lane_does_not_hold_a_pass_that_is_already_full() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_requests=3))
+    assert core.next_batch(0.0, LaneState(ready=1)) is not None
+    core.pass_finished(0.5, now=1.0)
+    batch = core.next_batch(1.0, LaneState(ready=3, awaited=True))
+    assert batch is not None and batch.lanes == 3
+
+
+def test_dropping_a_request_forgets_its_remaining_chunks() -> None:
+    core = BatchFormer(BatchPolicy(max_batch_tokens=4))
+    core.submit(request(1, 10), now=0.0)
+    core.submit(request(2, 10), now=0.0)
+    first = fire(core)
+    assert [r.corr for r in first.requests] == [1]
+    core.drop(1)
+    assert {r.corr for b in drain(core) for r in b.requests} == {2}
 
 
 def test_after_a_pass_it_waits_for_every_context_of_that_pass() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -176,7 +244,7 @@ def test_after_a_pass_it_waits_for_every_context_of_that_pass() -> None:
 
 
 def test_the_watchdog_fires_when_an_awaited_context_stays_quiet() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -188,7 +256,7 @@ def test_the_watchdog_fires_when_an_awaited_context_stays_quiet() -> None:
 
 
 def test_the_watchdog_waits_longer_after_contexts_came_back_slowly() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -202,7 +270,7 @@ def test_the_watchdog_waits_longer_after_contexts_came_back_slowly() -> None:
 
 
 def test_the_watchdog_never_waits_more_than_two_pass_times() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -216,7 +284,7 @@ def test_the_watchdog_never_waits_more_than_two_pass_times() -> None:
 
 
 def test_before_the_first_pass_queued_work_is_due_at_once() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     core.submit(request(1), now=0.0)
     deadline = core.deadline()
     assert deadline is not None and deadline <= 0.0
@@ -234,7 +302,7 @@ def test_a_context_granted_a_lease_is_not_awaited() -> None:
         next_position=1,
         op=Argmax(),
     )
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     core.submit(request(1), now=0.0)
     core.submit(request(2, lease=lease), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -246,7 +314,7 @@ def test_a_context_granted_a_lease_is_not_awaited() -> None:
 
 
 def test_a_request_goes_at_once_when_no_context_is_awaited() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     core.submit(request(1), now=0.0)
     assert core.next_batch(0.0) is not None
     core.pass_finished(0.5, now=1.0)
@@ -260,7 +328,7 @@ def test_a_request_goes_at_once_when_no_context_is_awaited() -> None:
 
 
 def test_alternating_half_batches_merge_into_one() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     for context in range(7):
         core.submit(request(100 + context, context=context), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -275,7 +343,7 @@ def test_alternating_half_batches_merge_into_one() -> None:
 
 
 def test_it_fires_at_once_when_the_queue_fills_the_token_budget() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=8))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=8))
     for corr in (1, 2, 3):
         core.submit(request(corr), now=0.0)
     fire(core, now=0.0, seconds=0.5)
@@ -284,7 +352,7 @@ def test_it_fires_at_once_when_the_queue_fills_the_token_budget() -> None:
 
 
 def test_a_queue_that_fills_the_token_budget_fires_before_the_watchdog() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=8))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=8))
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -297,7 +365,7 @@ def test_a_queue_that_fills_the_token_budget_fires_before_the_watchdog() -> None
 
 
 def test_a_queue_that_reaches_the_request_limit_fires_before_the_watchdog() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_requests=2))
+    core = BatchFormer(BatchPolicy(max_batch_requests=2))
     for corr in (1, 2):
         core.submit(request(corr), now=0.0)
     assert core.next_batch(0.0) is not None
@@ -310,7 +378,7 @@ def test_a_queue_that_reaches_the_request_limit_fires_before_the_watchdog() -> N
 
 
 def test_a_split_prefill_counts_only_its_unsent_tokens_toward_the_budget() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_tokens=10))
+    core = BatchFormer(BatchPolicy(max_batch_tokens=10))
     core.submit(request(1), now=0.0)
     core.submit(request(2, 15), now=0.0)
     first = core.next_batch(0.0)
@@ -326,7 +394,7 @@ def test_a_split_prefill_counts_only_its_unsent_tokens_toward_the_budget() -> No
 
 
 def test_nothing_fires_while_a_pass_is_in_flight() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     core.submit(request(1), now=0.0)
     assert core.next_batch(0.0) is not None
     core.submit(request(2), now=0.0)
@@ -337,7 +405,7 @@ def test_nothing_fires_while_a_pass_is_in_flight() -> None:
 
 
 def test_batch_ids_count_up() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     ids = []
     for corr in (1, 2, 3):
         core.submit(request(corr), now=0.0)
@@ -346,7 +414,7 @@ def test_batch_ids_count_up() -> None:
 
 
 def test_statistics_describe_the_batches() -> None:
-    core = SchedulerCore(BatchPolicy(max_batch_requests=3))
+    core = BatchFormer(BatchPolicy(max_batch_requests=3))
     for corr in range(1, 5):
         core.submit(request(corr, 2), now=0.0)
     fire(core, seconds=0.25)
@@ -360,9 +428,10 @@ def test_statistics_describe_the_batches() -> None:
 
 
 def test_a_fresh_scheduler_reports_empty_statistics() -> None:
-    assert SchedulerCore(BatchPolicy()).statistics() == SchedulerStatistics(
+    assert BatchFormer(BatchPolicy()).statistics() == BatchStatistics(
         batches=0,
         requests=0,
+        lane_passes=0,
         tokens=0,
         chunks=0,
         pending=0,
@@ -376,13 +445,14 @@ def test_a_fresh_scheduler_reports_empty_statistics() -> None:
 
 
 def test_statistics_count_every_batch_of_a_size() -> None:
-    core = SchedulerCore(BatchPolicy())
+    core = BatchFormer(BatchPolicy())
     for corr in (1, 2, 3):
         core.submit(request(corr, 2, context=1), now=0.0)
         fire(core, seconds=0.25)
-    assert core.statistics() == SchedulerStatistics(
+    assert core.statistics() == BatchStatistics(
         batches=3,
         requests=3,
+        lane_passes=0,
         tokens=6,
         chunks=0,
         pending=0,

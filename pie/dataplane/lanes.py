@@ -2,16 +2,16 @@
 
 A lane is one context's lease (see pie/events/speculation.py) as the driver thread sees it.
 Programs submit plain decodes to their lane from their own threads; the pass loop runs lane
-passes from the driver thread. Neither waits for the Trio thread: the kv actor, the scheduler
-and the speculator hear of each pass afterwards through `post`, in the order things happened.
+passes from the driver thread. Neither waits for the Trio thread: the kv actor hears of each
+pass afterwards through `post`, in the order things happened.
 
-With a speculation depth of D, when a lane pass ends the lane stages the next one (the token
-just sampled, at the next position, with the same sampler and the next seed of its stream)
-and keeps up to D passes ahead of what its program has asked for. A request that matches the
-first staged pass claims it, whether it is queued, running or done; any other request drops
-every staged pass of the lane. Staged passes write only KV slots past the context's end, in
-pages the lease pins, and the kv actor only ever appends what a program received, so a pass
-thrown away leaves nothing behind: the next pass writes over its slot.
+With a speculation depth of D, when a lane pass ends the speculator (speculator.py) stages the
+next one (the token just sampled, at the next position, with the same sampler and the next
+seed of its stream) and keeps up to D passes ahead of what its program has asked for. A request
+that matches the first staged pass claims it, whether it is queued, running or done; any other
+request drops every staged pass of the lane. Staged passes write only KV slots past the
+context's end, in pages the lease pins, and the kv actor only ever appends what a program
+received, so a pass thrown away leaves nothing behind: the next pass writes over its slot.
 
 Locking: one condition guards every lane and the ready queue. Deliveries to programs and posts
 to Trio are made after it is released, posts first, so that the kv actor has appended a token
@@ -27,15 +27,14 @@ from typing import Any
 
 from attrs import define, field
 
-from pie.actors.speculator.counts import Counts
-from pie.actors.speculator.lane import (
+from pie.dataplane.lane import (
     DONE,
-    QUEUED,
     RUNNING,
     Deliver,
     Lane,
     LanePass,
 )
+from pie.dataplane.speculator import SpeculationStatistics, Speculator
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
 from pie.events.sampling import SAMPLERS, SamplingSlot, SlotOp, SlotOutput, TokenOutput
@@ -44,7 +43,6 @@ from pie.events.speculation import (
     LanePassApplied,
     Lease,
     LeaseReleased,
-    SpeculationTally,
 )
 
 Post = Callable[[list[tuple[str, Any]]], None]
@@ -58,30 +56,27 @@ class Effects:
     """What to do once the lock is released: posts to Trio first, then deliveries. A lane
     pass handed over stands for its `LanePassApplied` among the events and for its
     `ForwardCompleted` among the deliveries: they are built in `run`, off the pass loop's
-    path from one pass to the next, as is the tally when `tally` is set."""
+    path from one pass to the next."""
 
     events: list[tuple[str, Any]] = field(factory=list)
     deliveries: list[tuple[Deliver, Any]] = field(factory=list)
-    tally: bool = False
 
 
 class Lanes:
     def __init__(
         self, *, page_size: int, vocab_size: int, depth: int, post: Post, address: str = "kv"
     ) -> None:
-        if depth < 0:
-            raise ValueError("speculation depth must be >= 0")
         self.page_size = page_size
         self.vocab_size = vocab_size
-        self.depth = depth
+        self.speculator = Speculator(depth)
         self.cond = threading.Condition()
         self._post = post
         self._kv = address
         self._lanes: dict[int, Lane] = {}
         self._ready: collections.deque[LanePass] = collections.deque()
+        self.ready = 0
+        """Queued passes that will run (those dropped while queued are not counted)."""
         self._requesters: set[str] = set()
-        self._counts = Counts()
-        self._totals = Counts()
         self.awaited: set[Lane] = set()
         """Lanes that took part in the last pass, with nothing queued or running, whose program
         is expected to submit next: the pass loop waits a little for them before firing."""
@@ -100,13 +95,11 @@ class Lanes:
             self._requesters.discard(requester)
             for lane in [la for la in self._lanes.values() if la.lease.requester == requester]:
                 self._close(lane, effects)
-            self._tally(effects)
         self.run(effects)
 
-    def statistics(self) -> SpeculationTally:
-        """Every count so far, those not yet posted to the speculator included."""
+    def statistics(self) -> SpeculationStatistics:
         with self.cond:
-            return Counts(self._totals, self._counts).tally()
+            return self.speculator.statistics()
 
     # -- program threads ---------------------------------------------------------------------
 
@@ -136,10 +129,6 @@ class Lanes:
             else:
                 self._take(lane, corr, tokens[0], slots[0].op, deliver, effects)
                 taken = True
-            if effects.events:
-                # Otherwise the counts wait for the next pass's posts: a hit on a running
-                # pass then costs the Trio thread nothing.
-                self._tally(effects)
         self.run(effects)
         return taken
 
@@ -155,13 +144,9 @@ class Lanes:
             if lane.pending is not None and not running_ok:
                 raise LaneBusy(f"context {context} has a pass in flight")
             self._close(lane, effects)
-            self._tally(effects)
         self.run(effects)
 
     # -- the pass loop (driver thread) -------------------------------------------------------
-
-    def has_ready(self) -> bool:
-        return bool(self._ready)
 
     def take_ready(self, limit: int) -> list[LanePass]:
         """Up to `limit` queued passes, marked running (the caller holds `cond`)."""
@@ -171,6 +156,7 @@ class Lanes:
             if lane_pass.dropped:
                 continue
             lane_pass.state = RUNNING
+            self.ready -= 1
             self.awaited.discard(lane_pass.lane)
             taken.append(lane_pass)
         return taken
@@ -197,9 +183,8 @@ class Lanes:
                     base_op=lease.op,
                 )
                 self._lanes[lease.context] = lane
-                self._counts.leases += 1
+                self.speculator.leases += 1
                 self._stage(lane)
-            self._tally(effects)
         return effects
 
     def completed(
@@ -207,7 +192,7 @@ class Lanes:
     ) -> Effects:
         """The pass loop ran `passes` (None outputs failed): stages what follows them and
         returns the posts and deliveries for the caller to `run`."""
-        effects = Effects(tally=True)
+        effects = Effects()
         with self.cond:
             for lane_pass, output in zip(passes, outputs, strict=True):
                 self._completed(lane_pass, output, effects)
@@ -221,11 +206,6 @@ class Lanes:
             (to, self._applied(event) if isinstance(event, LanePass) else event)
             for to, event in effects.events
         ]
-        if effects.tally:
-            with self.cond:
-                tally = self._take_tally()
-            if tally is not None:
-                events.append(("speculator", tally))
         if events:
             self._post(events)
         for deliver, value in effects.deliveries:
@@ -274,20 +254,15 @@ class Lanes:
     def _take(
         self, lane: Lane, corr: int, token: int, op: SlotOp, deliver: Deliver, effects: Effects
     ) -> None:
-        if lane.staged:
-            first = lane.staged[0]
-            if first.token == token and first.op == op:
-                lane.staged.popleft()
-                first.corr, first.deliver = corr, deliver
-                self._counts.hits += 1
-                if first.state == DONE:
-                    self._hand_over(first, effects)
-                else:
-                    lane.pending = first
-                return
-            self._counts.misses += 1
-            lane.learn_seed_step(op)
-            self._drop_staged(lane)
+        claimed = self.speculator.claim(lane, token, op)
+        if claimed is not None:
+            claimed.corr, claimed.deliver = corr, deliver
+            if claimed.state == DONE:
+                self._hand_over(claimed, effects)
+            else:
+                lane.pending = claimed
+            return
+        self._drop_staged(lane)
         direct = LanePass(
             lane=lane,
             token=token,
@@ -299,7 +274,7 @@ class Lanes:
             deliver=deliver,
         )
         lane.pending = direct
-        self._counts.direct += 1
+        self.speculator.direct += 1
         self._queue(direct)
 
     def _completed(self, lane_pass: LanePass, output: SlotOutput | None, effects: Effects) -> None:
@@ -308,7 +283,7 @@ class Lanes:
         lane_pass.output = output
         lane.live -= 1
         if lane_pass.dropped:
-            self._counts.wasted_passes += 1
+            self.speculator.wasted_passes += 1
         elif output is None:
             # A lane pass the driver refused: nothing in it can be trusted to go on from.
             if lane_pass.deliver is not None:
@@ -349,50 +324,21 @@ class Lanes:
             self._stage(lane)
 
     def _stage(self, lane: Lane) -> None:
-        """Stages the lane's next pass when the depth allows and its input is known."""
-        if lane.closed or len(lane.staged) >= self.depth:
-            return
-        if lane.staged:
-            last = lane.staged[-1]
-            if last.state != DONE or not isinstance(last.output, TokenOutput):
-                return
-            token, slot, position, op = last.output.token, last.slot, last.position, last.op
-        else:
-            if lane.pending is not None or lane.base_token is None:
-                return
-            token, op = lane.base_token, lane.base_op
-            slot, position = lane.base_slot - 1, lane.base_position - 1
-        if slot + 1 >= lane.capacity:
-            return
-        staged = LanePass(
-            lane=lane,
-            token=token,
-            position=position + 1,
-            slot=slot + 1,
-            op=lane.next_op(op),
-            staged=True,
-        )
-        lane.staged.append(staged)
-        self._counts.staged += 1
-        self._queue(staged)
+        staged = self.speculator.stage(lane)
+        if staged is not None:
+            self._queue(staged)
 
     def _queue(self, lane_pass: LanePass) -> None:
         lane_pass.lane.live += 1
+        self.ready += 1
         self._ready.append(lane_pass)
         self.awaited.discard(lane_pass.lane)
         self.cond.notify_all()
 
     def _drop_staged(self, lane: Lane) -> None:
-        if not lane.staged:
-            return
-        self._counts.dropped_chains += 1
-        for staged in lane.staged:
-            staged.dropped = True
-            if staged.state == QUEUED:
-                lane.live -= 1
-            elif staged.state == DONE:
-                self._counts.wasted_passes += 1
-        lane.staged.clear()
+        queued = len(self.speculator.drop(lane))
+        lane.live -= queued
+        self.ready -= queued
 
     def _close(self, lane: Lane, effects: Effects) -> None:
         if lane.closed:
@@ -409,14 +355,3 @@ class Lanes:
             lane.released = True
             released = LeaseReleased(lease=lane.lease.lease, context=lane.lease.context)
             effects.events.append((self._kv, released))
-
-    def _tally(self, effects: Effects) -> None:
-        tally = self._take_tally()
-        if tally is not None:
-            effects.events.append(("speculator", tally))
-
-    def _take_tally(self) -> SpeculationTally | None:
-        tally = self._counts.take()
-        if tally is not None:
-            self._totals.add((tally,))
-        return tally

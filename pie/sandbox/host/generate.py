@@ -1,0 +1,135 @@
+"""The `generate` interface: generation runs (runs.py) started, read and cancelled by a program.
+Each step of a run goes the way `forward.execute` sends a pass, with a callback in place of a
+pollable: a lane pass on the fast path, otherwise a SubmitForward to the kv actor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from wasmtime.component import LinkerInstance
+
+from pie.events import kv as ev
+from pie.events import sampling as s
+from pie.events.speculation import LaneBusy
+from pie.sandbox.host.forward import slot_op
+from pie.sandbox.host.runs import Run, RunFailed, RunSpec
+from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
+from pie.sandbox.wasm import add_host_func, record
+
+INTERFACE = "pie:inferlet/generate@0.1.0"
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+
+
+def start(params: Any) -> int:
+    state = current()
+    spec = _spec(state, params)
+    view = state.models[0]
+
+    def decode(tokens: Any) -> str:
+        with view.lock:
+            text: str = view.tokenizer.decode(list(tokens))
+        return text
+
+    handle = state.new_handle()
+    run = Run(spec, _stepper(state, spec), decode, lambda: state.run_progressed(handle))
+    state.add_run(handle, run)
+    try:
+        run.start()
+    except BaseException:
+        state.remove_run(handle)
+        raise
+    return handle
+
+
+def next_(run: int) -> int:
+    return current().next_run_output(run)
+
+
+def output(pending: int) -> Any:
+    state = current()
+    handle, run = state.take_run_pollable(pending)
+    try:
+        out = run.take()
+    except RunFailed as failed:
+        state.remove_run(handle)
+        raise HostFailure(failed.failure.kind, failed.failure.message) from None
+    if out.finished is not None:
+        state.remove_run(handle)
+    return record(
+        tokens=list(out.tokens),
+        text=out.text,
+        finished=out.finished,
+        final_token=out.final_token,
+        last_written=out.last_written,
+    )
+
+
+def cancel(run: int) -> None:
+    current().run(run).cancel()
+
+
+def _spec(state: InstanceState, params: Any) -> RunSpec:
+    op = slot_op(params.sampler)
+    if not isinstance(op, s.SAMPLERS):
+        raise HostFailure("invalid", "a run needs a sampler, not a probe")
+    stops = tuple(getattr(params, "stop-strings"))
+    if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stops):
+        raise HostFailure(
+            "invalid",
+            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} chars",
+        )
+    mask = getattr(params, "logit-mask")
+    try:
+        return RunSpec(
+            context=params.context,
+            feed=tuple(params.tokens),
+            op=op,
+            max_tokens=getattr(params, "max-tokens"),
+            stop_tokens=frozenset(getattr(params, "stop-tokens")),
+            stop_strings=stops,
+            logit_mask=None if mask is None else tuple(mask),
+            deliver_every=getattr(params, "deliver-every"),
+            text=params.text,
+        )
+    except (TypeError, ValueError) as exc:
+        raise HostFailure("invalid", str(exc)) from None
+
+
+def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
+    """Sends one step of the run: on its lane when the context has one and the step fits it,
+    else through the kv actor (which may grant a lease for the next step)."""
+    lanes = state.lanes
+
+    def step(tokens: tuple[int, ...], op: s.SlotOp, deliver: Callable[[Any], None]) -> None:
+        slots = (s.SamplingSlot(index=len(tokens) - 1, op=op),)
+        corr = state.next_corr()
+        if lanes is not None and spec.logit_mask is None:
+            try:
+                if lanes.submit(spec.context, state.address, corr, tokens, None, slots, deliver):
+                    return
+            except LaneBusy as busy:
+                deliver(ev.RequestFailed(corr=corr, kind="busy", message=str(busy)))
+                return
+        event = ev.SubmitForward(
+            corr=corr,
+            requester=state.address,
+            context=spec.context,
+            tokens=tokens,
+            positions=None,
+            attention_masks=None,
+            logit_mask=spec.logit_mask,
+            slots=slots,
+            fast=lanes is not None,
+        )
+        state.submit_to("kv", event, deliver)
+
+    return step
+
+
+def register(instance: LinkerInstance) -> None:
+    add_host_func(instance, "start", host_call(start))
+    add_host_func(instance, "next", host_call(next_))
+    add_host_func(instance, "output", host_call(output))
+    add_host_func(instance, "cancel", host_call(cancel))

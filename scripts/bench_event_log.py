@@ -1,0 +1,262 @@
+"""What the event log costs: text-completion's generate loop on a driver whose pass takes a fixed
+time, with the log off, in memory only, writing its file, and writing its file inline on the Trio
+thread (each envelope encoded and written at delivery: the writer as it was, for comparison).
+
+One engine runs every mode, swapping its log between runs, in a different order each round, so
+that a slow drift in what else the machine runs touches every mode alike. For throughput and
+for the CPU time per token of the Trio thread, the writer thread and the whole process, the
+tables show the median and range of the rounds, and the change from the first mode.
+
+    .venv/bin/python scripts/bench_event_log.py --rounds 3 --concurrency 1 16 64
+    .venv/bin/python scripts/bench_event_log.py --micro     # appends alone, no engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import trio
+
+from pie.cli.bench.inferlets import TEXT_COMPLETION, cached_component
+from pie.config import EngineConfig, with_overrides
+from pie.drivers.loader import resolve_model
+from pie.drivers.synthetic import SyntheticDriver
+from pie.drivers.tokenizer import Tokenizer
+from pie.engine import open_engine
+from pie.eventlog import Envelope, EventLog
+from pie.eventlog.records import correlation_of
+from pie.events import codec
+
+MODES = ("off", "ring", "file", "inline")
+
+
+class InlineEventLog(EventLog):
+    """The ring, plus each envelope encoded and written to the file by the appender itself."""
+
+    def __init__(self, *, ring_size: int = 100_000, path: str | Path | None = None, **_: Any):
+        super().__init__(ring_size=ring_size)
+        self._inline: IO[str] | None = open(path, "w", encoding="utf-8") if path else None
+
+    def append(self, src: str, dst: str, event: Any) -> int:
+        seq = super().append(src, dst, event)
+        if self._inline is not None:
+            # What the appender used to do for each record: build the envelope, encode, write.
+            envelope = Envelope(
+                seq=seq, time=time.time(), src=src, dst=dst, corr=correlation_of(event), event=event
+            )
+            record = {
+                "seq": envelope.seq,
+                "time": envelope.time,
+                "src": envelope.src,
+                "dst": envelope.dst,
+                "corr": envelope.corr,
+                "event": codec.encode(envelope.event),
+            }
+            self._inline.write(json.dumps(record, separators=(",", ":")) + "\n")
+        return seq
+
+    def close(self) -> None:
+        super().close()
+        if self._inline is not None:
+            self._inline.close()
+            self._inline = None
+
+
+def _log(mode: str, path: Path) -> EventLog | None:
+    if mode == "off":
+        return None
+    if mode == "ring":
+        return EventLog()
+    return (InlineEventLog if mode == "inline" else EventLog)(path=path)
+
+
+METRICS = {
+    "tps": "tokens/s",
+    "trio_us": "Trio thread CPU us per token",
+    "writer_us": "log writer thread CPU us per token",
+    "cpu_us": "process CPU us per token (every thread: guests, driver, writer)",
+}
+Results = dict[str, dict[str, dict[int, list[float]]]]
+"""metric -> mode -> concurrency -> one value per round."""
+
+
+async def _generate(engine: Any, program: str, concurrency: int, tokens: int) -> float:
+    """Wall time of `concurrency` greedy completions of `tokens` tokens, run at once."""
+    request = json.dumps({"prompt": "Count with me.", "max_tokens": tokens, "temperature": 0})
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(engine.run_inferlet, program, request)
+    return time.perf_counter() - started
+
+
+def _writer_clock() -> Any:
+    """The CPU clock of the engine's log writer thread, or None without one."""
+    writer = next((t for t in threading.enumerate() if t.name == "pie-event-log"), None)
+    if writer is None or writer.ident is None:
+        return lambda: 0.0
+    clock = time.pthread_getcpuclockid(writer.ident)
+    return lambda: time.clock_gettime(clock)
+
+
+async def _run(engine: Any, program: str, concurrency: int, mode: str, tokens: int) -> dict:
+    """One run of `concurrency` completions with the log of `mode`: its throughput (launch and
+    prompt included, the same in every mode) and the CPU time each thread spent per token."""
+    with tempfile.TemporaryDirectory() as scratch:
+        log = _log(mode, Path(scratch) / "events.jsonl")
+        engine.router.log = log
+        writer = _writer_clock()
+        before = time.thread_time(), writer(), time.process_time()
+        wall = await _generate(engine, program, concurrency, tokens)
+        if log is not None:
+            log.flush()  # the writer's share of this run, before its clock stops with it
+        after = time.thread_time(), writer(), time.process_time()
+        engine.router.log = None
+        if log is not None:
+            log.close()
+    generated = concurrency * tokens
+    trio_us, writer_us, cpu_us = (
+        (b - a) / generated * 1e6 for a, b in zip(before, after, strict=True)
+    )
+    return {
+        "tps": generated / wall,
+        "trio_us": trio_us,
+        "writer_us": writer_us,
+        "cpu_us": cpu_us,
+    }
+
+
+def measure(args: argparse.Namespace) -> Results:
+    tokenizer = Tokenizer.from_folder(resolve_model(None))
+    wasm = cached_component(TEXT_COMPLETION)
+    results: Results = {
+        metric: {mode: {c: [] for c in args.concurrency} for mode in args.modes}
+        for metric in METRICS
+    }
+    config = with_overrides(EngineConfig(), event_log={"enabled": False})
+
+    async def main() -> None:
+        driver = SyntheticDriver(pass_seconds=args.pass_ms / 1000, vocab_size=tokenizer.vocab_size)
+        async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+            program = engine.programs.add(wasm).hash
+            for concurrency in args.concurrency:
+                await _generate(engine, program, concurrency, 4)
+                for round_ in range(args.rounds):
+                    shift = round_ % len(args.modes)
+                    for mode in args.modes[shift:] + args.modes[:shift]:
+                        row = await _run(engine, program, concurrency, mode, args.tokens)
+                        for metric, value in row.items():
+                            results[metric][mode][concurrency].append(value)
+                        print(
+                            f"{concurrency} inferlets, round {round_ + 1}, {mode:>6}: "
+                            f"{row['tps']:.0f} tok/s, CPU us/token trio {row['trio_us']:.0f} "
+                            f"writer {row['writer_us']:.1f} all {row['cpu_us']:.0f}",
+                            file=sys.stderr,
+                        )
+
+    trio.run(main)
+    return results
+
+
+def report(results: Results, args: argparse.Namespace) -> None:
+    for metric, title in METRICS.items():
+        print(f"{title}, fixed {args.pass_ms} ms pass, {args.rounds} rounds: median [min-max]")
+        print(f"{'inferlets':>9} " + " ".join(f"{m:>27}" for m in args.modes))
+        for concurrency in args.concurrency:
+            base = statistics.median(results[metric][args.modes[0]][concurrency])
+            cells = []
+            for mode in args.modes:
+                values = results[metric][mode][concurrency]
+                median = statistics.median(values)
+                change = f"{(median / base - 1) * 100:+5.1f}%" if base else ""
+                cells.append(f"{median:7.1f} [{min(values):.1f}-{max(values):.1f}] {change}")
+            print(f"{concurrency:>9} " + " ".join(f"{cell:>27}" for cell in cells))
+        print()
+    base_mode = args.modes[0]
+    print(f"tokens/s change from {base_mode!r} within each round: median [min-max]")
+    print(f"{'inferlets':>9} " + " ".join(f"{m:>27}" for m in args.modes[1:]))
+    for concurrency in args.concurrency:
+        base = results["tps"][base_mode][concurrency]
+        cells = []
+        for mode in args.modes[1:]:
+            changes = [
+                (value / before - 1) * 100
+                for value, before in zip(results["tps"][mode][concurrency], base, strict=True)
+            ]
+            median = statistics.median(changes)
+            cells.append(f"{median:+6.1f}% [{min(changes):+.1f} to {max(changes):+.1f}]")
+        print(f"{concurrency:>9} " + " ".join(f"{cell:>27}" for cell in cells))
+
+
+def micro(args: argparse.Namespace) -> None:
+    """The appender's own cost per record (its thread's CPU time), and everything the log costs
+    per record until the file is closed (the process's CPU time, the writer's included)."""
+    from pie.events.sampling import TokenOutput
+    from pie.events.speculation import LanePassApplied
+
+    count = 200_000
+    events = [
+        LanePassApplied(
+            lease=1,
+            context=2,
+            corr=i,
+            token=i % 50_000,
+            position=i,
+            page=3,
+            staged=True,
+            outputs=(TokenOutput(token=i % 50_000),),
+        )
+        for i in range(count)
+    ]
+    print(f"{count} LanePassApplied appends, {args.rounds} rounds: median [min-max] us/record")
+    print(f"{'mode':>8} {'appender':>22} {'whole log':>22}")
+    for mode in ("ring", "file", "inline"):
+        appender, whole = [], []
+        for _ in range(args.rounds):
+            with tempfile.TemporaryDirectory() as scratch:
+                path = Path(scratch) / "events.jsonl" if mode != "ring" else None
+                cls = InlineEventLog if mode == "inline" else EventLog
+                log = cls(path=path)
+                thread, cpu = time.thread_time(), time.process_time()
+                for event in events:
+                    log.append("inference", "kv", event)
+                appender.append((time.thread_time() - thread) / count * 1e6)
+                log.close()
+                whole.append((time.process_time() - cpu) / count * 1e6)
+        cells = [
+            f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]" for v in (appender, whole)
+        ]
+        print(f"{mode:>8} {cells[0]:>22} {cells[1]:>22}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pass-ms", type=float, default=5.0)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--micro", action="store_true", help="time appends alone, no engine")
+    args = parser.parse_args()
+    if args.micro:
+        micro(args)
+        return 0
+    results = measure(args)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
