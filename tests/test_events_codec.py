@@ -148,6 +148,20 @@ SAMPLES = (
         staged=True,
         outputs=(TokenOutput(token=5),),
     ),
+    spec_ev.LanePassesApplied(
+        passes=(
+            spec_ev.LanePassApplied(
+                lease=3,
+                context=4,
+                corr=9,
+                token=17,
+                position=15,
+                page=6,
+                staged=True,
+                outputs=(TokenOutput(token=5),),
+            ),
+        )
+    ),
     spec_ev.LeaseReleased(lease=3, context=4),
     kv_ev.CreateContext(corr=1, requester="a"),
     kv_ev.ForkContext(corr=2, requester="a", context=3),

@@ -12,7 +12,7 @@ from pie.dataplane.speculator import SpeculationStatistics
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
 from pie.events.sampling import Argmax, SamplingSlot, SlotOp, TokenOutput, TopP
-from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
+from pie.events.speculation import LanePassApplied, LanePassesApplied, Lease, LeaseReleased
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,13 @@ class Harness:
         return self.lanes.submit(1, "p", corr, (token,), None, (slot,), self.got.append)
 
     def events(self, kind: type) -> list[Any]:
-        return [e for _, e in self.posted if isinstance(e, kind)]
+        """What was posted of `kind`, the passes of each LanePassesApplied one by one."""
+        flat = [
+            e
+            for _, posted in self.posted
+            for e in (posted.passes if isinstance(posted, LanePassesApplied) else (posted,))
+        ]
+        return [e for e in flat if isinstance(e, kind)]
 
     def tally(self) -> SpeculationStatistics:
         return self.lanes.statistics()

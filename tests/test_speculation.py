@@ -18,7 +18,7 @@ from pie.actors.kv import KvCore
 from pie.config import EngineConfig, with_overrides
 from pie.engine import Engine, open_engine
 from pie.eventlog.replay import replay
-from pie.events.speculation import LanePassApplied
+from pie.events.speculation import LanePassesApplied
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir, real_model  # noqa: F401  (fixture)
@@ -161,5 +161,6 @@ async def test_the_kv_actors_inputs_replay_exactly_with_speculation(
         live = engine.kv.core.state()
     assert result.exact, result.mismatches
     assert core.state() == live
-    hits = [r.event for r in records if isinstance(r.event, LanePassApplied) and r.event.staged]
+    applied = [p for r in records if isinstance(r.event, LanePassesApplied) for p in r.event.passes]
+    hits = [p for p in applied if p.staged]
     assert len(hits) > 10

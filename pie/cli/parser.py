@@ -193,10 +193,17 @@ def _bench_tax_parser(suites: Commands) -> None:
     )
     tax.add_argument("--json", action="store_true", help="print one JSON object")
     tax.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
-    tax.add_argument("--tokens", type=int, default=64, help="tokens per measured run")
+    tax.add_argument("--tokens", type=int, default=256, help="tokens each generation makes")
     tax.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     tax.add_argument("--depths", type=int, nargs="+", default=[0, 1, 4])
-    tax.add_argument("--think-us", type=float, default=0.0, help="guest busy work per token")
+    tax.add_argument(
+        "--mode",
+        nargs="+",
+        choices=["run", "step"],
+        default=["run", "step"],
+        help="generation runs, stepped generations, or both",
+    )
+    tax.add_argument("--think-us", type=float, default=0.0, help="step mode: busy work per token")
     tax.add_argument("--repeats", type=int, default=3)
     tax.add_argument("--slow-path", action="store_true", help="also run with the fast path off")
     tax.add_argument("--real", action="store_true", help="the configured model, not a fixed pass")

@@ -12,7 +12,7 @@ from pie.dataplane.former import (
     LaneState,
 )
 from pie.dataplane.lanes import Lanes
-from pie.dataplane.loop import PassLoop, PassReport
+from pie.dataplane.loop import PassLoop, PassReport, PassTimes
 from pie.dataplane.speculator import SpeculationStatistics, Speculator
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Lanes",
     "PassLoop",
     "PassReport",
+    "PassTimes",
     "SpeculationStatistics",
     "Speculator",
 ]

@@ -41,6 +41,7 @@ from pie.events.sampling import SAMPLERS, SamplingSlot, SlotOp, SlotOutput, Toke
 from pie.events.speculation import (
     LaneBusy,
     LanePassApplied,
+    LanePassesApplied,
     Lease,
     LeaseReleased,
 )
@@ -202,10 +203,7 @@ class Lanes:
         """Posts to Trio, then delivers to programs. Effects of one lane are run in the order
         they were made: those of the pass loop on one thread, one batch after another; a
         program's own only once it has received everything before them."""
-        events = [
-            (to, self._applied(event) if isinstance(event, LanePass) else event)
-            for to, event in effects.events
-        ]
+        events = self._batched(effects.events)
         if events:
             self._post(events)
         for deliver, value in effects.deliveries:
@@ -217,6 +215,22 @@ class Lanes:
                     outputs=outputs,  # type: ignore[arg-type]
                 )
             deliver(value)
+
+    def _batched(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The events to post, each run of lane passes handed over as one LanePassesApplied."""
+        posted: list[tuple[str, Any]] = []
+        run: list[LanePassApplied] = []
+        for to, event in events:
+            if isinstance(event, LanePass):
+                run.append(self._applied(event))
+                continue
+            if run:
+                posted.append((self._kv, LanePassesApplied(passes=tuple(run))))
+                run = []
+            posted.append((to, event))
+        if run:
+            posted.append((self._kv, LanePassesApplied(passes=tuple(run))))
+        return posted
 
     @staticmethod
     def _applied(lane_pass: LanePass) -> LanePassApplied:

@@ -16,7 +16,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from attrs import define
+import attrs
+from attrs import define, frozen
 
 from pie.dataplane.former import BatchFormer, BatchStatistics, FormedPass, LaneState
 from pie.dataplane.lanes import Effects, LanePass, Lanes
@@ -40,6 +41,23 @@ class PassReport:
 Work = tuple[FormedPass, list[LanePass]]
 
 
+@frozen(kw_only=True)
+class PassTimes:
+    """Seconds the pass loop has spent in each part of its passes, summed over all of them."""
+
+    form: float = 0.0
+    """Deciding the next pass: the batch former and taking queued lane passes."""
+    assemble: float = 0.0
+    """Building the driver's batch."""
+    forward: float = 0.0
+    """The driver's forward pass."""
+    complete: float = 0.0
+    """What decides the pass after: staging, leases, the former's clock (driver thread)."""
+    settle: float = 0.0
+    """Deliveries, events, reports and counters (mostly on the outbox thread, while the next
+    pass runs)."""
+
+
 class PassLoop:
     def __init__(
         self,
@@ -60,6 +78,7 @@ class PassLoop:
         self.busy_seconds = 0.0
         self.last_seconds = 0.0
         """Counters kept by the driver thread (read from others without a lock)."""
+        self._times = {name: 0.0 for name in attrs.fields_dict(PassTimes)}
         self._thread: threading.Thread | None = None
         self._outbox = _Outbox()
 
@@ -83,6 +102,9 @@ class PassLoop:
     def batch_statistics(self) -> BatchStatistics:
         with self._cond:
             return self.former.statistics()
+
+    def pass_times(self) -> PassTimes:
+        return PassTimes(**self._times)
 
     # -- the driver thread -----------------------------------------------------------------
 
@@ -117,7 +139,9 @@ class PassLoop:
         if formed is None:
             deadline = self.former.deadline(lanes)
             return None, None if deadline is None else max(deadline - now, 0.0)
-        return (formed, self.lanes.take_ready(formed.lanes)), None
+        taken = self.lanes.take_ready(formed.lanes)
+        self._times["form"] += time.perf_counter() - now
+        return (formed, taken), None
 
     def _run(self, formed: FormedPass, lane_passes: list[LanePass]) -> Work | None:
         """Runs one pass and returns the next one's work when it can start at once. Only
@@ -130,6 +154,7 @@ class PassLoop:
         self.last_seconds = ended - started
         effects: list[Effects] = []
         with self._cond:
+            completing = time.perf_counter()
             self.former.pass_finished(ended - started, ended)
             if lane_passes:
                 effects.append(self.lanes.completed(lane_passes, lane_outputs))
@@ -140,9 +165,11 @@ class PassLoop:
                 if request.lease is not None and (request.final or failed):
                     output = result[-1] if isinstance(result, list) and result else None
                     effects.append(self.lanes.opened(request.lease, output))
+            self._times["complete"] += time.perf_counter() - completing
             taken, _ = self._next_work()
 
         def settle() -> None:
+            settling = time.perf_counter()
             self.passes += 1
             self.lane_passes += len(lane_passes)
             self.busy_seconds += ended - started
@@ -151,6 +178,7 @@ class PassLoop:
                 self.lanes.run(batch)
             if requests:
                 self._report(PassReport(formed.batch, requests, results, ended - started))
+            self._times["settle"] += time.perf_counter() - settling
 
         # When the next pass starts at once, the outbox settles this one while it runs;
         # otherwise this thread does it now, after anything the outbox still holds.
@@ -167,9 +195,14 @@ class PassLoop:
         failed it) and each lane pass's output (None: it failed). When the driver refuses
         the batch, its parts run one by one so that only the culprit fails (the driver
         checks a batch before writing any KV)."""
+        assembling = time.perf_counter()
+        batch = _batch(requests, lane_passes)
+        forwarding = time.perf_counter()
+        self._times["assemble"] += forwarding - assembling
         try:
-            outputs = self.driver.forward(_batch(requests, lane_passes))
+            outputs = self.driver.forward(batch)
         except Exception as err:
+            self._times["forward"] += time.perf_counter() - forwarding
             if len(requests) + len(lane_passes) == 1:
                 return [err] * len(requests), [None] * len(lane_passes)
             results: list[list[SlotOutput] | Exception] = []
@@ -179,6 +212,7 @@ class PassLoop:
             for lane_pass in lane_passes:
                 lane_outputs.extend(self._forward((), (lane_pass,))[1])
             return results, lane_outputs
+        self._times["forward"] += time.perf_counter() - forwarding
         results = []
         cursor = 0
         for request in requests:

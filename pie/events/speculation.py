@@ -55,6 +55,14 @@ class LanePassApplied:
 
 
 @frozen(kw_only=True)
+class LanePassesApplied:
+    """The `LanePassApplied` of one forward pass's lanes, in order: one event per pass rather
+    than one per token, so the kv actor and the event log keep up with many lanes."""
+
+    passes: tuple[LanePassApplied, ...]
+
+
+@frozen(kw_only=True)
 class LeaseReleased:
     """No pass of the lease runs or will run: its pages are unpinned."""
 

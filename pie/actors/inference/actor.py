@@ -11,7 +11,7 @@ import trio
 from attrs import frozen
 
 from pie.actors.runtime import Actor, Router
-from pie.dataplane import BatchFormer, BatchStatistics, Lanes, PassLoop, PassReport
+from pie.dataplane import BatchFormer, BatchStatistics, Lanes, PassLoop, PassReport, PassTimes
 from pie.drivers.base import Driver, DriverError
 from pie.events.batching import ForwardCompleted, ScheduleForward
 from pie.events.forward import ForwardRequest
@@ -27,6 +27,9 @@ class InferenceStatistics:
     failed_requests: int
     busy_seconds: float
     last_pass_seconds: float
+    pass_times: PassTimes
+    """Seconds spent in each part of the passes so far (form, assemble, forward, complete,
+    settle): the host's share of a pass beside the driver's."""
 
 
 class InferenceActor(Actor):
@@ -123,6 +126,7 @@ class InferenceActor(Actor):
             failed_requests=self._failures,
             busy_seconds=loop.busy_seconds,
             last_pass_seconds=loop.last_seconds,
+            pass_times=loop.pass_times(),
         )
 
     def batch_statistics(self) -> BatchStatistics:

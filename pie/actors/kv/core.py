@@ -20,7 +20,7 @@ from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
 from pie.events.sampling import SAMPLERS
-from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
+from pie.events.speculation import LanePassApplied, LanePassesApplied, Lease, LeaseReleased
 
 Output = tuple[str, Any]
 
@@ -50,7 +50,7 @@ class KvStatistics:
 
 
 class KvCore:
-    accepts = (ev.KvCommand, LanePassApplied, LeaseReleased)
+    accepts = (ev.KvCommand, LanePassApplied, LanePassesApplied, LeaseReleased)
     """The kv mailbox: context commands, and the commits of passes run on the fast path."""
 
     def __init__(
@@ -103,6 +103,10 @@ class KvCore:
                 return []
             case LanePassApplied():
                 self._lane_pass(event)
+                return []
+            case LanePassesApplied():
+                for applied in event.passes:
+                    self._lane_pass(applied)
                 return []
             case LeaseReleased():
                 self.pool.unpin(self.leases.pop(event.lease, ()))

@@ -46,26 +46,35 @@ async def _engine_figures(engine: Engine, args: argparse.Namespace) -> dict[str,
             ],
             key=lambda g: g.prefill_seconds,
         )
+    concurrent, batched = await concurrent_decode(engine, args.concurrency, n)
+    return {
+        "decode_tps_batch1": (len(one.tokens) - 1) / one.decode_seconds,
+        "decode_tps_16": concurrent,
+        "prefill_tps": args.prefill_tokens / prefill.prefill_seconds,
+        "mean_batch_size_concurrent": batched,
+    }
+
+
+async def concurrent_decode(engine: Engine, concurrency: int, tokens: int) -> tuple[float, float]:
+    """Tokens per second of `concurrency` greedy decodes at once through requesters (the
+    engine's own loop, no inferlet), and the mean number of requests per pass."""
+    tok = engine.tokenizer
     results: list[Any] = []
 
     async def one_stream(i: int) -> None:
         async with engine.requester(f"bench:{i}") as r:
-            results.append(await generate(r, _prompt(tok, 16 + i), max_tokens=n, sampler=Argmax()))
+            prompt = _prompt(tok, 16 + i)
+            results.append(await generate(r, prompt, max_tokens=tokens, sampler=Argmax()))
 
     before = engine.statistics().scheduler
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for i in range(args.concurrency):
+        for i in range(concurrency):
             nursery.start_soon(one_stream, i)
     wall = time.perf_counter() - started
     after = engine.statistics().scheduler
     batched = (after.requests - before.requests) / max(1, after.batches - before.batches)
-    return {
-        "decode_tps_batch1": (len(one.tokens) - 1) / one.decode_seconds,
-        "decode_tps_16": sum(len(g.tokens) for g in results) / wall,
-        "prefill_tps": args.prefill_tokens / prefill.prefill_seconds,
-        "mean_batch_size_concurrent": batched,
-    }
+    return sum(len(g.tokens) for g in results) / wall, batched
 
 
 def _hf_figures(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
