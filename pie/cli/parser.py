@@ -199,9 +199,10 @@ def _bench_tax_parser(suites: Commands) -> None:
     tax.add_argument(
         "--mode",
         nargs="+",
-        choices=["run", "step"],
+        choices=["run", "step", "step-poll"],
         default=["run", "step"],
-        help="generation runs, stepped generations, or both",
+        help="generation runs; stepped generations (one host call a step); stepped with "
+        "something else pending on the inferlet's loop (three host calls a step)",
     )
     tax.add_argument("--think-us", type=float, default=0.0, help="step mode: busy work per token")
     tax.add_argument("--repeats", type=int, default=3)

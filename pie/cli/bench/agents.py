@@ -4,8 +4,10 @@ Each task alternates generation and a tool call (an HTTP request to a local serv
 `--tool-ms`) `--calls` times, `--tasks` tasks at once. In the engine, one inferlet per task keeps
 its context and calls the tool through the `http` interface, so the KV cache stays warm and only
 each tool result is prefilled. On the client, each task re-sends its whole conversation to the
-OpenAI-compatible endpoint every step and calls the tool itself. Both generate the same number
-of tokens per step (stop tokens ignored).
+OpenAI-compatible endpoint every step and calls the tool itself; the engine's prefix cache
+then spares it the prefill of every full page the earlier steps computed (the hits are in each
+mode's `prefix_hit_tokens`). Both generate the same number of tokens per step (stop tokens
+ignored).
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ async def _measure(engine: Engine, args: Any) -> dict[str, Any]:
             await _in_engine(engine, agent.hash, tool, warm)
             await _client_loop(base, engine.info.model_name, tool, warm)
             for mode in ("in_engine", "client_loop"):
+                before = engine.statistics().kv
                 started = time.perf_counter()
                 if mode == "in_engine":
                     latencies = await _in_engine(engine, agent.hash, tool, args)
@@ -164,6 +167,10 @@ async def _measure(engine: Engine, args: Any) -> dict[str, Any]:
                     model = engine.info.model_name
                     latencies = await _client_loop(base, model, tool, args)
                 results[mode] = _summary(latencies, time.perf_counter() - started, args)
+                after = engine.statistics().kv
+                results[mode]["prefix_hit_tokens"] = (
+                    after.prefix_hit_tokens - before.prefix_hit_tokens
+                )
                 _progress(mode, results[mode])
             front.stop()
             nursery.cancel_scope.cancel()
@@ -217,13 +224,14 @@ def run_bench_agents(args: argparse.Namespace) -> int:
     )
     print(
         f"{'mode':<13}{'wall s':>8}{'mean s':>8}{'p50 s':>8}{'max s':>8}{'tasks/s':>9}{'tok/s':>8}"
+        f"{'cached':>8}"
     )
     for mode in ("in_engine", "client_loop"):
         row = results[mode]
         print(
             f"{mode:<13}{row['wall_s']:>8.2f}{row['latency_mean_s']:>8.2f}"
             f"{row['latency_p50_s']:>8.2f}{row['latency_max_s']:>8.2f}"
-            f"{row['tasks_per_s']:>9.2f}{row['tokens_per_s']:>8.1f}"
+            f"{row['tasks_per_s']:>9.2f}{row['tokens_per_s']:>8.1f}{row['prefix_hit_tokens']:>8}"
         )
     print(f"client loop / in engine (wall time): {results['speedup']:.2f}x")
     return 0
