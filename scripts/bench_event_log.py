@@ -9,6 +9,7 @@ tables show the median and range of the rounds, and the change from the first mo
 
     .venv/bin/python scripts/bench_event_log.py --rounds 3 --concurrency 1 16 64
     .venv/bin/python scripts/bench_event_log.py --micro     # appends alone, no engine
+    .venv/bin/python scripts/bench_event_log.py --critical  # a pass loop alone, no engine
 """
 
 from __future__ import annotations
@@ -196,14 +197,12 @@ def report(results: Results, args: argparse.Namespace) -> None:
         print(f"{concurrency:>9} " + " ".join(f"{cell:>27}" for cell in cells))
 
 
-def micro(args: argparse.Namespace) -> None:
-    """The appender's own cost per record (its thread's CPU time), and everything the log costs
-    per record until the file is closed (the process's CPU time, the writer's included)."""
+def _lane_events(count: int) -> list[Any]:
+    """Per-token records: a token handed to a program on the fast path."""
     from pie.events.sampling import TokenOutput
     from pie.events.speculation import LanePassApplied
 
-    count = 200_000
-    events = [
+    return [
         LanePassApplied(
             lease=1,
             context=2,
@@ -216,15 +215,21 @@ def micro(args: argparse.Namespace) -> None:
         )
         for i in range(count)
     ]
-    print(f"{count} LanePassApplied appends, {args.rounds} rounds: median [min-max] us/record")
+
+
+def micro(args: argparse.Namespace) -> None:
+    """The appender's own cost per record (its thread's CPU time), and everything the log costs
+    per record until the file is closed (the process's CPU time, the writer's included)."""
+    count = 200_000
+    events = _lane_events(count)
+    print(f"{count} appends, {args.rounds} rounds: median [min-max] us/record")
     print(f"{'mode':>8} {'appender':>22} {'whole log':>22}")
     for mode in ("ring", "file", "inline"):
         appender, whole = [], []
         for _ in range(args.rounds):
             with tempfile.TemporaryDirectory() as scratch:
-                path = Path(scratch) / "events.jsonl" if mode != "ring" else None
-                cls = InlineEventLog if mode == "inline" else EventLog
-                log = cls(path=path)
+                log = _log(mode, Path(scratch) / "events.jsonl")
+                assert log is not None
                 thread, cpu = time.thread_time(), time.process_time()
                 for event in events:
                     log.append("inference", "kv", event)
@@ -237,6 +242,44 @@ def micro(args: argparse.Namespace) -> None:
         print(f"{mode:>8} {cells[0]:>22} {cells[1]:>22}")
 
 
+def critical(args: argparse.Namespace) -> None:
+    """The critical path alone: a pass of `pass_ms` on another thread, then the Trio thread logs
+    what the pass produced; what each mode adds to a pass, with no guests to blur it."""
+    passes = 200
+
+    async def one(mode: str, events: list[Any]) -> float:
+        with tempfile.TemporaryDirectory() as scratch:
+            log = _log(mode, Path(scratch) / "events.jsonl")
+            started = time.perf_counter()
+            for _ in range(passes):
+                await trio.to_thread.run_sync(time.sleep, args.pass_ms / 1000)
+                if log is not None:
+                    for event in events:
+                        log.append("inference", "kv", event)
+            wall = time.perf_counter() - started
+            if log is not None:
+                log.close()
+        return (wall / passes - args.pass_ms / 1000) * 1e6
+
+    async def main() -> None:
+        modes = list(args.modes)
+        print(f"us a pass takes beyond {args.pass_ms} ms, {args.rounds} rounds: median [min-max]")
+        print(f"{'records':>8} " + " ".join(f"{m:>20}" for m in modes))
+        for count in args.records:
+            events = _lane_events(count)
+            times: dict[str, list[float]] = {mode: [] for mode in modes}
+            for round_ in range(args.rounds):
+                shift = round_ % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    times[mode].append(await one(mode, events))
+            cells = [
+                f"{statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}]" for v in times.values()
+            ]
+            print(f"{count:>8} " + " ".join(f"{cell:>20}" for cell in cells))
+
+    trio.run(main)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pass-ms", type=float, default=5.0)
@@ -246,9 +289,14 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--micro", action="store_true", help="time appends alone, no engine")
+    parser.add_argument("--critical", action="store_true", help="a pass loop alone, no engine")
+    parser.add_argument("--records", type=int, nargs="+", default=[64, 160])
     args = parser.parse_args()
     if args.micro:
         micro(args)
+        return 0
+    if args.critical:
+        critical(args)
         return 0
     results = measure(args)
     if args.json:
