@@ -90,6 +90,17 @@ REQUEST = ForwardRequest(
     lease=LEASE,
 )
 
+APPLIED = spec_ev.LanePassApplied(
+    lease=3,
+    context=4,
+    corr=9,
+    token=17,
+    position=15,
+    page=6,
+    staged=True,
+    outputs=(TokenOutput(token=5),),
+)
+
 SAMPLES = (
     LEASE,
     http_ev.HttpFetch(
@@ -138,30 +149,8 @@ SAMPLES = (
         structured='{"result": "hé"}',
         is_error=True,
     ),
-    spec_ev.LanePassApplied(
-        lease=3,
-        context=4,
-        corr=9,
-        token=17,
-        position=15,
-        page=6,
-        staged=True,
-        outputs=(TokenOutput(token=5),),
-    ),
-    spec_ev.LanePassesApplied(
-        passes=(
-            spec_ev.LanePassApplied(
-                lease=3,
-                context=4,
-                corr=9,
-                token=17,
-                position=15,
-                page=6,
-                staged=True,
-                outputs=(TokenOutput(token=5),),
-            ),
-        )
-    ),
+    APPLIED,
+    spec_ev.LanePassesApplied(passes=(APPLIED, APPLIED)),
     spec_ev.LeaseReleased(lease=3, context=4),
     kv_ev.CreateContext(corr=1, requester="a"),
     kv_ev.ForkContext(corr=2, requester="a", context=3),

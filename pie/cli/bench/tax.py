@@ -71,8 +71,9 @@ async def _steady(
     engine: Engine, program: str, mode: str, concurrency: int, args: argparse.Namespace
 ) -> tuple[_Sample, _Sample]:
     """Launches `concurrency` generations of `args.tokens` tokens at once and samples the
-    engine while they run; the first and last samples taken while every one of them had its
-    context (all launched, none finished), so launching and finishing stay out of the rate."""
+    engine while they run; the first and last samples taken while every one of them was
+    decoding (all launched and prefilled, none finished), so launching, prefilling and
+    finishing stay out of the rate."""
     driver = engine.driver
     assert isinstance(driver, _MeteredDriver)
     process = psutil.Process()
@@ -90,10 +91,23 @@ async def _steady(
         if not outcome.ok:
             failures.append(outcome.error or outcome.status)
 
+    fast = engine.config.scheduler.fast_path
+    lanes_before = engine.statistics().speculation.leases
+
+    def all_generating(stats: EngineStatistics) -> bool:
+        # A lane opens once the pass that granted its lease has ended: the context's prefill
+        # is done and it decodes on the lane. Without the fast path, having its context is the
+        # best sign there is.
+        if fast:
+            started = stats.speculation.leases - lanes_before
+        else:
+            started = stats.kv.contexts
+        return stats.inferlets.running == concurrency and started >= concurrency
+
     async def watch(done: trio.Event) -> None:
         while not done.is_set():
             stats = engine.statistics()
-            if stats.inferlets.running == concurrency and stats.kv.contexts >= concurrency:
+            if all_generating(stats):
                 cpu = process.cpu_times()
                 used = cpu.user + cpu.system - driver.cpu_seconds
                 window.append(_Sample(at=time.perf_counter(), cpu=used, stats=stats))

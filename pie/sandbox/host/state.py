@@ -305,12 +305,18 @@ class InstanceState:
     # -- generation runs (guest thread, but `run_progressed`) -----------------------------
 
     def add_run(self, handle: int, run: Run) -> None:
-        """Registers a run; a context carries one run at a time."""
+        """Registers a run; a context carries one run at a time. An ended run of the context
+        whose last output was never read is forgotten, so runs held stay within contexts."""
         context = run.spec.context
         with self._cond:
             other = self._run_on_context.get(context)
             if other is not None and self.runs[other].finished is None:
                 raise HostFailure("busy", f"context {context} already has a generation run")
+            if other is not None:
+                del self.runs[other]
+                for pollable in self._run_waiting.pop(other, []):
+                    gone = RequestFailed(corr=0, kind="closed", message="a later run replaced it")
+                    self._fill(pollable, gone)
             self.runs[handle] = run
             self._run_on_context[context] = handle
             self._run_waiting[handle] = []

@@ -55,39 +55,34 @@ async def stream(input: dict[str, Any]) -> Any:
     return {"pieces": pieces, "text": generation.text, "stop": generation.stop_reason}
 
 
-def _generation(input: dict[str, Any]) -> Any:
+async def _generated(input: dict[str, Any], stepped: bool) -> Any:
+    """One generation, stepped one pass at a time or consumed whole, and what it left."""
     seed = input.get("seed")
     sampler = Sampler.argmax() if seed is None else Sampler.top_p(0.9, seed=seed)
     ctx = Context(get_model()).fill(input.get("prompt", "go:"))
     generation = ctx.generate(
         sampler, max_tokens=input["max_tokens"], stop_strings=input.get("stops", [])
     )
-    return ctx, generation
+    if stepped:
+        while not generation.done:
+            await generation.step()
+    else:
+        await generation
+    await ctx.flush()
+    return {
+        "tokens": generation.tokens,
+        "text": generation.text,
+        "stop": generation.stop_reason,
+        "context": ctx.tokens,
+    }
 
 
 async def stepwise(input: dict[str, Any]) -> Any:
-    ctx, generation = _generation(input)
-    while not generation.done:
-        await generation.step()
-    await ctx.flush()
-    return {
-        "tokens": generation.tokens,
-        "text": generation.text,
-        "stop": generation.stop_reason,
-        "context": ctx.tokens,
-    }
+    return await _generated(input, stepped=True)
 
 
 async def whole(input: dict[str, Any]) -> Any:
-    ctx, generation = _generation(input)
-    await generation
-    await ctx.flush()
-    return {
-        "tokens": generation.tokens,
-        "text": generation.text,
-        "stop": generation.stop_reason,
-        "context": ctx.tokens,
-    }
+    return await _generated(input, stepped=False)
 
 
 async def seeded(input: dict[str, Any]) -> Any:
