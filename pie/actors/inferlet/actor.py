@@ -227,7 +227,7 @@ class InferletActor(Actor):
             )
         finally:
             bind(None)
-            state.cancel_runs()
+            state.runs.cancel_all()
         try:
             done(outcome)
         except trio.RunFinishedError:

@@ -24,7 +24,7 @@ def _changing(ctx: int, *, running_ok: bool = False) -> None:
     """Ends the context's generation run and takes the context off the fast path before a
     command that changes its pages."""
     state = current()
-    state.end_run(ctx)
+    state.runs.end(ctx)
     if state.lanes is not None:
         try:
             state.lanes.close(ctx, state.address, running_ok=running_ok)

@@ -61,7 +61,7 @@ def _slots(slots: list[Any]) -> tuple[s.SamplingSlot, ...]:
 
 def execute(pass_: Any) -> int:
     state = current()
-    state.forbid_run(pass_.context)
+    state.runs.forbid(pass_.context)
     positions = _get(pass_, "positions")
     masks = _get(pass_, "attention-masks")
     logit_mask = _get(pass_, "logit-mask")

@@ -33,30 +33,31 @@ def start(params: Any) -> int:
         return text
 
     handle = state.new_handle()
-    run = Run(spec, _stepper(state, spec), decode, lambda: state.run_progressed(handle))
-    state.add_run(handle, run)
+    run = Run(spec, _stepper(state, spec), decode, lambda: state.runs.progressed(handle))
+    state.runs.add(handle, run)
     try:
         run.start()
     except BaseException:
-        state.remove_run(handle)
+        state.runs.remove(handle)
         raise
     return handle
 
 
 def next_(run: int) -> int:
-    return current().next_run_output(run)
+    return current().runs.next_output(run)
 
 
 def output(pending: int) -> Any:
     state = current()
-    handle, run = state.take_run_pollable(pending)
+    handle: int = state.take(pending, "run")
+    run = state.runs.get(handle)
     try:
         out = run.take()
     except RunFailed as failed:
-        state.remove_run(handle)
+        state.runs.remove(handle)
         raise HostFailure(failed.failure.kind, failed.failure.message) from None
     if out.finished is not None:
-        state.remove_run(handle)
+        state.runs.remove(handle)
     return record(
         tokens=list(out.tokens),
         text=out.text,
@@ -67,7 +68,7 @@ def output(pending: int) -> Any:
 
 
 def cancel(run: int) -> None:
-    current().run(run).cancel()
+    current().runs.get(run).cancel()
 
 
 def _spec(state: InstanceState, params: Any) -> RunSpec:

@@ -16,19 +16,11 @@ from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.kv import RequestFailed
 from pie.events.sampling import SamplingSlot
-from pie.sandbox.host.runs import Run
+from pie.sandbox.host.failure import HostFailure
+from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
-
-
-class HostFailure(Exception):
-    """A host call that fails; becomes `error { kind, message }` for the guest."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind.replace("_", "-")
-        self.message = message
 
 
 class Bridge(Protocol):
@@ -137,9 +129,7 @@ class InstanceState:
         self._session: collections.deque[inf_ev.SessionInput] = collections.deque()
         self._session_waiting: collections.deque[int] = collections.deque()
         self._callbacks: dict[int, Callable[[Any], None]] = {}
-        self.runs: dict[int, Run] = {}
-        self._run_on_context: dict[int, int] = {}
-        self._run_waiting: dict[int, list[int]] = {}
+        self.runs = RunTable(self._cond, self._new_pollable, self._fill, self._alive)
         kill.add_waker(self._wake)
 
     # -- guest thread --------------------------------------------------------------------
@@ -302,89 +292,14 @@ class InstanceState:
                 raise HostFailure("invalid", f"child {child} has not started")
             return entry.instance
 
-    # -- generation runs (guest thread, but `run_progressed`) -----------------------------
-
-    def add_run(self, handle: int, run: Run) -> None:
-        """Registers a run; a context carries one run at a time. An ended run of the context
-        whose last output was never read is forgotten, so runs held stay within contexts."""
-        context = run.spec.context
-        with self._cond:
-            other = self._run_on_context.get(context)
-            if other is not None and self.runs[other].finished is None:
-                raise HostFailure("busy", f"context {context} already has a generation run")
-            if other is not None:
-                del self.runs[other]
-                for pollable in self._run_waiting.pop(other, []):
-                    gone = RequestFailed(corr=0, kind="closed", message="a later run replaced it")
-                    self._fill(pollable, gone)
-            self.runs[handle] = run
-            self._run_on_context[context] = handle
-            self._run_waiting[handle] = []
-
-    def remove_run(self, handle: int) -> None:
-        with self._cond:
-            run = self.runs.pop(handle, None)
-            self._run_waiting.pop(handle, None)
-            if run is not None and self._run_on_context.get(run.spec.context) == handle:
-                del self._run_on_context[run.spec.context]
-
-    def run(self, handle: int) -> Run:
-        with self._cond:
-            run = self.runs.get(handle)
-        if run is None:
-            raise HostFailure("no-such-handle", f"no generation run {handle}")
-        return run
-
-    def next_run_output(self, handle: int) -> int:
-        """A pollable that is ready once the run has output for the program."""
-        run = self.run(handle)
-        pollable = self.new_handle()
-        with self._cond:
-            self.pollables[pollable] = Pending("run", value=handle)
-            self._run_waiting[handle].append(pollable)
-        if run.ready():
-            self.run_progressed(handle)
-        return pollable
-
-    def run_progressed(self, handle: int) -> None:
-        """The run has output ready (any thread): wakes the program's first waiting pollable."""
-        with self._cond:
-            waiting = self._run_waiting.get(handle)
-            if waiting:
-                self._fill(waiting.pop(0), handle)
-
-    def take_run_pollable(self, pollable: int) -> tuple[int, Run]:
-        handle: int = self.take(pollable, "run")
-        return handle, self.run(handle)
-
-    def end_run(self, context: int) -> None:
-        """Cancels the context's run, if any, and waits until no pass of it is in flight."""
-        with self._cond:
-            handle = self._run_on_context.get(context)
-            run = self.runs.get(handle) if handle is not None else None
-        if run is not None and run.finished is None:
-            run.cancel()
-            run.wait_settled(self._alive)
-
-    def cancel_runs(self) -> None:
-        """Ends every run after its pass in flight (the program has ended)."""
-        with self._cond:
-            runs = list(self.runs.values())
-        for run in runs:
-            run.cancel()
-
-    def forbid_run(self, context: int) -> None:
-        """Refuses a pass of the program's own on a context that a run is carrying."""
-        if not self._run_on_context:  # the per-token path of programs without runs
-            return
-        with self._cond:
-            handle = self._run_on_context.get(context)
-            if handle is not None and self.runs[handle].finished is None:
-                raise HostFailure("busy", f"context {context} has a generation run")
-
     def _alive(self) -> None:
         with self._cond:
             self._check_alive()
+
+    def _new_pollable(self, kind: str, value: Any) -> int:
+        handle = self.new_handle()
+        self.pollables[handle] = Pending(kind, value=value)
+        return handle
 
     # -- Trio thread ---------------------------------------------------------------------
 
