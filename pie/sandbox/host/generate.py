@@ -24,7 +24,7 @@ MAX_STOP_STRING_CHARS = 1024
 
 def start(params: Any) -> int:
     state = current()
-    spec = _spec(state, params)
+    spec = run_spec(params)
     view = state.models[0]
 
     def decode(tokens: Any) -> str:
@@ -71,7 +71,8 @@ def cancel(run: int) -> None:
     current().runs.get(run).cancel()
 
 
-def _spec(state: InstanceState, params: Any) -> RunSpec:
+def run_spec(params: Any) -> RunSpec:
+    """The run a program asks for, checked: a sampler, bounded stop strings, sane counts."""
     op = slot_op(params.sampler)
     if not isinstance(op, s.SAMPLERS):
         raise HostFailure("invalid", "a run needs a sampler, not a probe")
@@ -82,6 +83,10 @@ def _spec(state: InstanceState, params: Any) -> RunSpec:
             f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} chars",
         )
     mask = getattr(params, "logit-mask")
+    if not params.tokens:
+        raise HostFailure("invalid", "a run needs at least one token to feed")
+    if getattr(params, "max-tokens") < 1:
+        raise HostFailure("invalid", "max_tokens must be at least 1")
     try:
         return RunSpec(
             context=params.context,
