@@ -7,46 +7,20 @@ and sends only the rest of its tokens to the driver.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-from attrs import frozen
-
 from pie.actors.kv.context import Chain, InFlight
-from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash
+from pie.actors.kv.leases import lease_for
+from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash, salted
 from pie.actors.kv.prefix import PrefixCache, park_surplus, skip_tokens
+from pie.actors.kv.statistics import KvStatistics
 from pie.actors.kv.validation import RequestError, validate_forward
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
-from pie.events.sampling import SAMPLERS
 from pie.events.speculation import LanePassApplied, LanePassesApplied, Lease, LeaseReleased
 
 Output = tuple[str, Any]
-
-
-@frozen(kw_only=True)
-class KvStatistics:
-    page_size: int
-    pages_total: int
-    pages_free: int
-    contexts: int
-    snapshots: int
-    passes_in_flight: int
-    shared_page_hits: int
-    tail_copies: int
-    leases: int
-    prefix_cache: str = "user"
-    pages_cached: int = 0
-    """Free pages that still hold committed content a pass may reuse (part of pages_free)."""
-    prefix_lookups: int = 0
-    """Passes that looked for their leading full pages among the committed ones."""
-    prefix_hits: int = 0
-    """Lookups that reused at least one page."""
-    prefix_hit_pages: int = 0
-    prefix_hit_tokens: int = 0
-    """Tokens that never went to the driver because their pages were reused."""
-    pages_evicted: int = 0
 
 
 class KvCore:
@@ -166,7 +140,7 @@ class KvCore:
         old_salt = chain.salt
         salt = old_salt
         if event.attention_masks is not None:
-            salt = _digest(old_salt, repr(event.attention_masks))
+            salt = salted(old_salt, repr(event.attention_masks))
         reuse = self.prefix.find(chain, event, positions, salt)
         reused = [page for page, _ in reuse or ()]
         needed = self._pages_for(old_length + len(event.tokens)) - len(chain.pages) - len(reused)
@@ -219,31 +193,12 @@ class KvCore:
         return skip_tokens(request, len(reused) * self.page_size)
 
     def _grant(self, event: ev.SubmitForward, chain: Chain) -> Lease | None:
-        """A lease on the context when the pass ends in a plain token sampler and the context
-        has room for at least one more token in pages it already holds or has reserved."""
         chain.lease = None
-        if (
-            len(event.slots) != 1
-            or event.slots[0].index != len(event.tokens) - 1
-            or not isinstance(event.slots[0].op, SAMPLERS)
-            or event.attention_masks is not None
-            or event.logit_mask is not None
-            or len(chain.tokens) >= (len(chain.pages) + len(chain.reserved)) * self.page_size
-        ):
+        lease = lease_for(event, chain, self._next_lease, self.page_size)
+        if lease is None:
             return None
-        pages = chain.pages + chain.reserved
-        lease = Lease(
-            lease=self._next_lease,
-            context=event.context,
-            requester=event.requester,
-            pages=tuple(pages),
-            owned=len(chain.pages),
-            masked_pages=tuple(sorted(chain.masked)),
-            next_slot=len(chain.tokens),
-            next_position=chain.positions[-1] + 1,
-            op=event.slots[0].op,
-        )
         self._next_lease += 1
+        pages = list(lease.pages)
         self.pool.pin(pages)
         self.leases[lease.lease] = pages
         chain.lease = lease.lease
@@ -420,7 +375,7 @@ class KvCore:
         if bad:
             raise RequestError("invalid", f"page indices {bad} outside 0..{len(chain.pages) - 1}")
         chain.masked = chain.masked | set(pages) if masked else chain.masked - set(pages)
-        chain.salt = _digest(chain.salt, repr(sorted(chain.masked)))
+        chain.salt = salted(chain.salt, repr(sorted(chain.masked)))
 
     def _describe(self, event: ev.DescribeContext) -> ev.ContextInfo:
         chain = self._owned(event.context, event.requester)
@@ -491,7 +446,3 @@ class KvCore:
             tuple(sorted((k, tuple(v)) for k, v in self.leases.items())),
             self.pool.cache_order(),
         )
-
-
-def _digest(salt: bytes, text: str) -> bytes:
-    return hashlib.blake2b(salt + text.encode(), digest_size=16).digest()

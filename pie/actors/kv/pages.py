@@ -14,6 +14,11 @@ class OutOfPages(Exception):
     """Not enough free pages for a request."""
 
 
+def salted(salt: bytes, text: str) -> bytes:
+    """A page-hash salt extended by what else shapes the KV (attention masks, masked pages)."""
+    return hashlib.blake2b(salt + text.encode(), digest_size=16).digest()
+
+
 def chain_hash(
     previous: bytes, tokens: Sequence[int], positions: Sequence[int], salt: bytes
 ) -> bytes:
