@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 from attrs import define, frozen
@@ -28,10 +29,21 @@ class BatchPolicy:
             raise ValueError("decode_tokens must be >= 1")
 
 
+class LaneView(Protocol):
+    """The lanes as the former sees them: passes queued to run, and whether a lane of the last
+    pass is expected to send its next one (`awaited` is truthy then). The lanes themselves
+    (lanes.py) are one, read under their lock."""
+
+    @property
+    def ready(self) -> int: ...
+
+    @property
+    def awaited(self) -> object: ...
+
+
 @frozen(kw_only=True)
 class LaneState:
-    """The lanes as the former sees them: passes queued to run, and whether a lane of the last
-    pass is expected to send its next one."""
+    """A LaneView of given values."""
 
     ready: int = 0
     awaited: bool = False
@@ -126,10 +138,11 @@ class BatchFormer:
         self._in_flight = False
         self._last_seconds = seconds
         self._finished_at = now
-        self._awaited = self._running - {w.request.context for w in self._queue}
-        self._running = set()
+        if self._running:
+            self._awaited = self._running - {w.request.context for w in self._queue}
+            self._running = set()
 
-    def deadline(self, lanes: LaneState = NO_LANES) -> float | None:
+    def deadline(self, lanes: LaneView = NO_LANES) -> float | None:
         """When the watchdog fires whatever is queued, if anything is queued."""
         if self._in_flight or not (self._queue or lanes.ready):
             return None
@@ -143,42 +156,46 @@ class BatchFormer:
         stretched = max(self._last_seconds, 1.25 * self._return_window)
         return min(stretched, 2 * self._last_seconds)
 
-    def next_batch(self, now: float, lanes: LaneState = NO_LANES) -> FormedPass | None:
-        if self._in_flight or not (self._queue or lanes.ready):
+    def next_batch(self, now: float, lanes: LaneView = NO_LANES) -> FormedPass | None:
+        queue = self._queue
+        if self._in_flight or not (queue or lanes.ready):
             return None
-        if not self._should_fire(now, lanes):
+        if (self._awaited or lanes.awaited) and not self._should_fire(now, lanes):
             return None
-        # Lanes go first but leave a queued request room to run, or it could wait forever.
-        reserve = 1 if self._queue else 0
         policy = self.policy
-        lane_passes = min(
-            lanes.ready, policy.max_batch_requests - reserve, policy.max_batch_tokens - reserve
-        )
-        requests = self._take(
-            policy.max_batch_tokens - lane_passes, policy.max_batch_requests - lane_passes
-        )
+        requests: tuple[ForwardRequest, ...] = ()
+        if queue:
+            # Lanes go first but leave a queued request room to run, or it could wait forever.
+            lane_passes = min(
+                lanes.ready, policy.max_batch_requests - 1, policy.max_batch_tokens - 1
+            )
+            requests = self._take(
+                policy.max_batch_tokens - lane_passes, policy.max_batch_requests - lane_passes
+            )
+            # A context granted a lease sends its next decodes to the lanes, which await it.
+            self._running = {r.context for r in requests if r.lease is None}
+        else:
+            lane_passes = min(lanes.ready, policy.max_batch_requests, policy.max_batch_tokens)
         if self._finished_at:
             self._return_window = self._slowest_return
         self._slowest_return = 0.0
         self._record(requests, lane_passes)
-        # A context granted a lease sends its next decodes to the lanes, which await it.
-        self._running = {r.context for r in requests if r.lease is None}
-        self._awaited = set()
+        if self._awaited:
+            self._awaited = set()
         self._in_flight = True
-        formed = FormedPass(batch=self._next_batch, requests=tuple(requests), lanes=lane_passes)
+        formed = FormedPass(batch=self._next_batch, requests=requests, lanes=lane_passes)
         self._next_batch += 1
         return formed
 
-    def _should_fire(self, now: float, lanes: LaneState) -> bool:
-        if not (self._awaited or lanes.awaited):
-            return True
+    def _should_fire(self, now: float, lanes: LaneView) -> bool:
+        """Whether to fire while contexts of the last pass are still awaited."""
         if len(self._queue) + lanes.ready >= self.policy.max_batch_requests:
             return True
         if sum(w.left for w in self._queue) + lanes.ready >= self.policy.max_batch_tokens:
             return True
         return now >= self._finished_at + self._patience()
 
-    def _take(self, budget: int, room: int) -> list[ForwardRequest]:
+    def _take(self, budget: int, room: int) -> tuple[ForwardRequest, ...]:
         """Decodes first, then prefills (chunked) with the budget left; a context's requests
         keep their order."""
         taken: dict[int, ForwardRequest] = {}
@@ -198,7 +215,7 @@ class BatchFormer:
                 taken[context] = chunk
                 budget -= len(chunk.tokens)
         self._queue = collections.deque(w for w in self._queue if w.left > 0)
-        return list(taken.values())
+        return tuple(taken.values())
 
     def _chunk(self, work: _Work, budget: int) -> ForwardRequest:
         chunk = _split(work, budget)

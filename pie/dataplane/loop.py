@@ -9,7 +9,7 @@ outbox thread while that next pass runs.
 
 from __future__ import annotations
 
-import collections
+import queue
 import sys
 import threading
 import time
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import attrs
 from attrs import define, frozen
 
-from pie.dataplane.former import BatchFormer, BatchStatistics, FormedPass, LaneState
+from pie.dataplane.former import BatchFormer, BatchStatistics, FormedPass
 from pie.dataplane.lanes import Effects, LanePass, Lanes
 from pie.drivers.base import Driver
 from pie.drivers.batch import ForwardBatch
@@ -134,7 +134,7 @@ class PassLoop:
         """The next pass's work when the former fires it now, else None and how long to wait
         (None: until notified). The caller holds `cond`."""
         now = time.perf_counter()
-        lanes = LaneState(ready=self.lanes.ready, awaited=bool(self.lanes.awaited))
+        lanes = self.lanes
         formed = self.former.next_batch(now, lanes)
         if formed is None:
             deadline = self.former.deadline(lanes)
@@ -223,42 +223,41 @@ class PassLoop:
 
 
 class _Outbox:
-    """A thread that runs what it is handed, in order."""
+    """A thread that runs what it is handed, in order. Handing work over is one call into a
+    C queue: it sits on the pass loop's path from one pass to the next."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._work: collections.deque[Callable[[], None] | None] = collections.deque()
-        self._busy = False
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._handed = 0
+        """Written by the handing thread only."""
+        self._done = 0
+        """Written by the outbox thread only."""
 
     def start(self) -> None:
         threading.Thread(target=self._main, name="pie-pass-outbox", daemon=True).start()
 
     def stop(self) -> None:
-        self.put(None)
+        self._work.put(None)
 
-    def put(self, work: Callable[[], None] | None) -> None:
-        with self._cond:
-            self._work.append(work)
-            self._busy = True
-            self._cond.notify()
+    def put(self, work: Callable[[], None]) -> None:
+        self._handed += 1
+        self._work.put(work)
 
     def idle(self) -> bool:
-        with self._cond:
-            return not self._busy
+        """Whether everything handed over has run (asked by the handing thread)."""
+        return self._done == self._handed
 
     def _main(self) -> None:
         while True:
-            with self._cond:
-                while not self._work:
-                    self._busy = False
-                    self._cond.wait()
-                work = self._work.popleft()
+            work = self._work.get()
             if work is None:
                 return
             try:
                 work()
             except Exception:
                 traceback.print_exc(file=sys.stderr)
+            finally:
+                self._done += 1
 
 
 def _batch(requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]) -> ForwardBatch:
