@@ -14,7 +14,7 @@ from tests.model_fixtures import (  # noqa: F401  (fixtures for every module)
     tokenizer,
 )
 
-TIERS = ("unit", "integration", "model")
+TIERS = ("unit", "integration", "model", "security")
 REAL_MODEL_FIXTURES = frozenset({"real", "default_model_dir", "tokenizer", "default_gguf"})
 
 
