@@ -3,6 +3,8 @@ types, a router that logs every delivery, and the Actor base class every shell b
 
 from __future__ import annotations
 
+import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable
@@ -12,6 +14,7 @@ import trio
 from attrs import define, frozen
 
 from pie.eventlog.log import EventLog
+from pie.events.kv import RequestFailed
 
 
 class MailboxOverrun(RuntimeError):
@@ -172,6 +175,16 @@ class Router:
             self.log.append(src, dst, event)
 
 
+def internal_failure(event: Any) -> tuple[str, Any] | None:
+    """Where to tell that `event` could not be handled, and what: a `RequestFailed` of kind
+    `internal` to the requester it names, or None when it names none."""
+    requester, corr = getattr(event, "requester", None), getattr(event, "corr", None)
+    if not isinstance(requester, str) or not isinstance(corr, int):
+        return None
+    message = "the engine failed on this request (the server's log has the details)"
+    return requester, RequestFailed(corr=corr, kind="internal", message=message)
+
+
 def _unexpected(dst: str, event: Any, box: _Mailbox) -> UnexpectedEvent:
     accepted = ", ".join(cls.__name__ for cls in box.accepts)
     kind = type(event).__name__
@@ -198,13 +211,34 @@ class Actor:
         task_status.started()
         async with self._inbox:
             async for event in self._inbox:
-                await self.handle(event)
+                try:
+                    await self.handle(event)
+                except Exception as exc:  # one request's failure must not stop the engine
+                    self.handler_failed(event, exc)
 
     async def started(self) -> None:
         """Hook run before readiness is reported."""
 
     async def handle(self, event: Any) -> None:
         raise NotImplementedError
+
+    def handler_failed(self, event: Any, exc: Exception) -> None:
+        """`handle` raised on `event`: the traceback goes to the server's log and the event's
+        requester, when it names one, gets an `internal` failure; the actor goes on with its
+        next event."""
+        print(
+            f"{self.address}: handling {type(event).__name__} failed",
+            "".join(traceback.format_exception(exc)),
+            file=sys.stderr,
+            sep="\n",
+        )
+        failed = internal_failure(event)
+        if failed is not None:
+            requester, reply = failed
+            try:
+                self.router.send_nowait(self.address, requester, reply)
+            except (UnknownAddress, MailboxOverrun, UnexpectedEvent):
+                pass  # the requester is gone, swamped or takes no failures: the log has it
 
     def emit(self, outputs: list[tuple[str, Any]]) -> None:
         """Sends a core's outputs; actor-to-actor edges in pie are replies, so never block."""

@@ -82,6 +82,12 @@ class InferenceActor(Actor):
     async def handle(self, event: Any) -> None:
         self._loop.submit(event.request)
 
+    def handler_failed(self, event: Any, exc: Exception) -> None:
+        """A request that could not be handed to the data plane fails like a failed pass:
+        the kv actor and its requester both hear of it."""
+        super().handler_failed(event, exc)
+        self._fail(event.request, exc, kind="internal")
+
     def _finished(self, report: PassReport) -> None:
         """A pass that ran placed requests ended (Trio thread)."""
         for request, result in zip(report.requests, report.results, strict=True):
@@ -105,9 +111,10 @@ class InferenceActor(Actor):
             )
             self.router.send_nowait(self.address, request.requester, reply)
 
-    def _fail(self, request: ForwardRequest, err: Exception) -> None:
+    def _fail(self, request: ForwardRequest, err: Exception, kind: str | None = None) -> None:
         self._failures += 1
-        kind = "invalid" if isinstance(err, DriverError) else "driver"
+        if kind is None:
+            kind = "invalid" if isinstance(err, DriverError) else "driver"
         if kind == "driver":
             print(f"pie: forward pass failed: {err!r}", file=sys.stderr)
         self._partial.pop(request.corr, None)

@@ -110,6 +110,11 @@ class McpActor(Actor):
             counts.failures += 1
             self._total.failures += 1
             reply = RequestFailed(corr=request.corr, kind=failure.kind, message=failure.message)
+        except Exception as exc:  # a bug or a library's surprise fails this call alone
+            counts.failures += 1
+            self._total.failures += 1
+            self.handler_failed(request, exc)
+            return
         finally:
             self._running -= 1
         self.router.send_nowait(self.address, request.requester, reply)
