@@ -19,6 +19,8 @@ from pie.drivers.tokenizer import Tokenizer
 from pie.engine import open_engine
 from pie.events import inferlet as ev
 from pie.server.app import Server
+from pie.server.http import HttpFront
+from pie.server.mounts import Mounts
 from pie.wire import messages as msg
 from pie.wire.frames import decode_server_frame, encode_frame
 
@@ -62,6 +64,36 @@ async def serving(
             finally:
                 with trio.CancelScope(shield=True):
                     await server_.stop(grace=5)
+
+
+@contextlib.asynccontextmanager
+async def http_front(
+    tokenizer: Tokenizer,
+    components: Path,
+    programs: dict[str, bytes],
+    *,
+    users: Any = None,
+    **http: Any,
+) -> AsyncIterator[tuple[Any, HttpFront, Any]]:
+    """An engine serving `programs` ({prefix: wasm}) over HTTP on a free port, and an httpx
+    client for it; keyword arguments override [http] keys."""
+    import httpx
+
+    config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(components)})
+    driver = SyntheticDriver(vocab_size=tokenizer.vocab_size)
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        mounts = {
+            p: engine.programs.add(w, name=p.strip("/").replace("/", "-") or "root").hash
+            for p, w in programs.items()
+        }
+        http_config = with_overrides(config, http={"port": 0, **http}).http
+        front = HttpFront(engine, http_config, Mounts(mounts), host="127.0.0.1", users=users)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(front.run)
+            async with httpx.AsyncClient(base_url=front.url, timeout=60) as client:
+                yield engine, front, client
+            front.stop()
+            nursery.cancel_scope.cancel()
 
 
 class Raw:

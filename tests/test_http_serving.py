@@ -5,25 +5,21 @@ instance."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
-from pie.config import ConfigError, EngineConfig, HttpConfig, config_from_dict, with_overrides
-from pie.drivers.synthetic import SyntheticDriver
+from pie.config import ConfigError, config_from_dict
 from pie.drivers.tokenizer import Tokenizer
-from pie.engine import Engine, open_engine
 from pie.server.auth import UserStore
-from pie.server.http import HttpFront
 from pie.server.mounts import Mounts
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
+from tests.server_fixtures import http_front
 
 
 @pytest.fixture(scope="module")
@@ -42,38 +38,11 @@ def components(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("components")
 
 
-@contextlib.asynccontextmanager
-async def front_end(
-    tokenizer: Tokenizer,
-    components: Path,
-    programs: dict[str, bytes],
-    *,
-    users: UserStore | None = None,
-    max_body_mb: float = 16.0,
-) -> AsyncIterator[tuple[Engine, HttpFront, httpx.AsyncClient]]:
-    """An engine serving `programs` ({prefix: wasm}) on a free port, and a client for it."""
-    config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(components)})
-    driver = SyntheticDriver(vocab_size=tokenizer.vocab_size)
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        mounts = {
-            p: engine.programs.add(w, name=p.strip("/").replace("/", "-") or "root").hash
-            for p, w in programs.items()
-        }
-        http_config = HttpConfig(port=0, max_body_mb=max_body_mb)
-        front = HttpFront(engine, http_config, Mounts(mounts), host="127.0.0.1", users=users)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(front.run)
-            async with httpx.AsyncClient(base_url=front.url, timeout=60) as client:
-                yield engine, front, client
-            front.stop()
-            nursery.cancel_scope.cancel()
-
-
 @pytest.mark.integration
 async def test_a_request_reaches_handle_below_its_prefix(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
-    async with front_end(tokenizer, components, {"/api": served}) as (_, _, client):
+    async with http_front(tokenizer, components, {"/api": served}) as (_, _, client):
         with trio.fail_after(60):
             reply = await client.post(
                 "/api/echo?x=1&y=two", content=b"hello body", headers={"X-Custom": "yes"}
@@ -92,7 +61,7 @@ async def test_the_longest_prefix_wins_and_unmounted_paths_are_404(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
     programs = {"/": served, "/deep/er": served}
-    async with front_end(tokenizer, components, programs) as (_, _, client):
+    async with http_front(tokenizer, components, programs) as (_, _, client):
         with trio.fail_after(60):
             root = (await client.get("/echo")).json()
             deep = (await client.get("/deep/er/echo")).json()
@@ -108,7 +77,7 @@ async def test_the_longest_prefix_wins_and_unmounted_paths_are_404(
 async def test_a_streamed_response_arrives_piece_by_piece(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
-    async with front_end(tokenizer, components, {"/s": served}) as (_, _, client):
+    async with http_front(tokenizer, components, {"/s": served}) as (_, _, client):
         with trio.fail_after(60):
             async with client.stream("GET", "/s/stream?n=5") as reply:
                 lines = [line async for line in reply.aiter_lines() if line]
@@ -122,7 +91,7 @@ async def test_errors_become_http_errors_and_the_engine_serves_on(
     served: bytes, social: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
     programs = {"/s": served, "/plain": social}
-    async with front_end(tokenizer, components, programs) as (engine, _, client):
+    async with http_front(tokenizer, components, programs) as (engine, _, client):
         with trio.fail_after(120):
             teapot = await client.get("/s/teapot")
             crash = await client.get("/s/crash")
@@ -133,7 +102,7 @@ async def test_errors_become_http_errors_and_the_engine_serves_on(
         stats = engine.statistics().inferlets
     assert teapot.status_code == 418 and teapot.json()["error"]["message"] == "short and stout"
     assert crash.status_code == 500 and "RuntimeError: handler crashed" in crash.text
-    assert bad_status.status_code == 500 and "not an HTTP status" in bad_status.text
+    assert bad_status.status_code == 500 and "not a final HTTP status" in bad_status.text
     assert plain.status_code == 500 and "exports no `handle`" in plain.text
     assert raw.status_code == 201 and raw.content == bytes(range(256))
     assert after.status_code == 200
@@ -144,7 +113,7 @@ async def test_errors_become_http_errors_and_the_engine_serves_on(
 async def test_a_body_over_the_limit_is_refused(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
-    async with front_end(tokenizer, components, {"/s": served}, max_body_mb=0.001) as (e, _, c):
+    async with http_front(tokenizer, components, {"/s": served}, max_body_mb=0.001) as (e, _, c):
         with trio.fail_after(60):
             reply = await c.post("/s/echo", content=b"x" * 2000)
         assert e.statistics().inferlets.launched == 0
@@ -155,7 +124,7 @@ async def test_a_body_over_the_limit_is_refused(
 async def test_a_client_that_goes_away_stops_its_instance(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
-    async with front_end(tokenizer, components, {"/s": served}) as (engine, front, client):
+    async with http_front(tokenizer, components, {"/s": served}) as (engine, front, client):
         with trio.fail_after(60):
             async with client.stream("GET", "/s/wait") as reply:
                 first = await reply.aiter_lines().__anext__()
@@ -171,7 +140,7 @@ async def test_a_client_that_goes_away_stops_its_instance(
 async def test_each_request_runs_in_a_fresh_instance(
     served: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:
-    async with front_end(tokenizer, components, {"/s": served}) as (engine, front, client):
+    async with http_front(tokenizer, components, {"/s": served}) as (engine, front, client):
         replies: list[Any] = []
 
         async def one(n: int) -> None:
@@ -194,7 +163,7 @@ async def test_with_authentication_a_bearer_token_names_the_user(
     users = UserStore(tmp_path / "users")
     token = users.add("alice")
     assert token is not None
-    async with front_end(tokenizer, components, {"/s": served}, users=users) as (_, _, client):
+    async with http_front(tokenizer, components, {"/s": served}, users=users) as (_, _, client):
         with trio.fail_after(60):
             anonymous = await client.get("/s/echo")
             wrong = await client.get("/s/echo", headers={"authorization": "Bearer alice:nope"})

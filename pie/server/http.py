@@ -17,6 +17,7 @@ from hypercorn.trio import serve
 from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import HttpConfig
 from pie.events import inferlet as ev
+from pie.sandbox.host.serving import is_final_status
 from pie.server.mounts import Mounts
 
 if TYPE_CHECKING:
@@ -163,6 +164,14 @@ class HttpFront:
         started = False
         async for event in run.stream():
             match event:
+                case ev.ResponseStarted() if not is_final_status(event.status):
+                    # The host refuses these; should one get here, it must not reach hypercorn,
+                    # where a 101 would switch the connection's protocol.
+                    await run.terminate()
+                    self._failed += 1
+                    message = f"status {event.status} is not a final HTTP status (200-599)"
+                    await _error(send, 500, message, "inferlet_failed")
+                    return
                 case ev.ResponseStarted():
                     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in event.headers]
                     await send(

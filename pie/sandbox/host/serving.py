@@ -54,8 +54,8 @@ def _start(state: InstanceState, response: Response, status: int, headers: Any) 
 
 
 def check_head(status: int, headers: Any) -> tuple[tuple[str, str], ...]:
-    if not 100 <= status <= 599:
-        raise HostFailure("invalid", f"status {status} is not an HTTP status (100-599)")
+    if not is_final_status(status):
+        raise HostFailure("invalid", f"status {status} is not a final HTTP status (200-599)")
     if len(headers) > MAX_HEADERS:
         raise HostFailure("invalid", f"{len(headers)} headers are more than {MAX_HEADERS}")
     pairs = tuple((h.name, h.value) for h in headers)
@@ -63,6 +63,12 @@ def check_head(status: int, headers: Any) -> tuple[tuple[str, str], ...]:
         if not _is_token(name) or not _is_field_value(value):
             raise HostFailure("invalid", f"bad response header {name!r}: {value!r}")
     return pairs
+
+
+def is_final_status(status: int) -> bool:
+    """What a program may answer: interim (1xx) statuses belong to the server's own protocol
+    (a 101 would switch the connection away from HTTP)."""
+    return 200 <= status <= 599
 
 
 def _post_body(state: InstanceState, chunk: bytes) -> None:

@@ -34,6 +34,11 @@ async def handle(request: Request) -> Any:
         raise RuntimeError("handler crashed")
     if request.path == "/bad-status":
         return Response("x", status=42)
+    if request.path == "/status":
+        return Response(request.params.get("body", ""), status=int(request.params["code"]))
+    if request.path == "/respond":
+        serving.respond(int(request.params["code"]), {"content-type": "text/plain"})
+        return "streamed"
     if request.path == "/wait":
         stream = serving.respond(200, {"content-type": "text/plain"})
         stream.write("waiting\n")

@@ -1,0 +1,57 @@
+"""Attacks on the server's front doors (the HTTP front end, WebSocket sessions, auth and the
+OpenAI endpoint): each one is refused with its own clear error, and a good client is served
+correctly afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from pie.drivers.tokenizer import Tokenizer
+from tests.inferlet_fixtures import GUESTS
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
+from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
+from tests.server_fixtures import http_front
+
+pytestmark = pytest.mark.security
+
+
+@pytest.fixture(scope="module")
+def served(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
+    return built(GUESTS / "served").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def components(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("components")
+
+
+# -- the HTTP front end --------------------------------------------------------------------------
+
+
+async def test_a_program_answering_an_interim_status_gets_its_caller_a_500(
+    served: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    async with http_front(tokenizer, components, {"/s": served}) as (engine, front, client):
+        with trio.fail_after(120):
+            refused = {
+                path: await client.get(f"/s/{path}")
+                for path in (
+                    "status?code=101",
+                    "status?code=100",
+                    "status?code=199",
+                    "status?code=600",
+                    "respond?code=101",
+                )
+            }
+            after = await client.get("/s/echo")
+            fine = await client.get("/s/status?code=204")
+    for path, reply in refused.items():
+        assert reply.status_code == 500, path
+        assert "not a final HTTP status" in reply.json()["error"]["message"], path
+    assert after.status_code == 200 and after.json()["path"] == "/echo"
+    assert fine.status_code == 204
+    assert engine.statistics().inferlets.running == 0
