@@ -1,5 +1,5 @@
 """Engine configuration: a TOML file with sections [model], [driver], [kv], [scheduler],
-[event_log], [sandbox], [network], [mcp], [server], [http].
+[event_log], [bus], [sandbox], [network], [mcp], [server], [http].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -99,6 +99,19 @@ class EventLogConfig:
     max_unwritten: int = field(default=100_000, validator=_at_least(1))
     """Records the file writer may fall behind by; past that, records are left out of the file
     (which marks the gap) until it catches up by half."""
+
+
+@frozen(kw_only=True)
+class BusConfig:
+    """What the messaging bus holds for inferlets and clients (docs/inferlet-api.md#messaging)."""
+
+    max_message_kb: int = field(default=1024, validator=_at_least(1))
+    """A pushed or broadcast message's size in UTF-8; larger ones are refused too-large."""
+    max_queue_messages: int = field(default=10_000, validator=_at_least(1))
+    max_queue_mb: int = field(default=16, validator=_at_least(1))
+    """Bytes of messages one queue holds until they are pulled; past that a push is overrun."""
+    max_user_mb: int = field(default=64, validator=_at_least(1))
+    """Bytes of messages one user's pushes hold on all queues; past that a push fails quota."""
 
 
 @frozen(kw_only=True)
@@ -294,6 +307,7 @@ class EngineConfig:
     kv: KvConfig = KvConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     event_log: EventLogConfig = EventLogConfig()
+    bus: BusConfig = BusConfig()
     sandbox: SandboxConfig = SandboxConfig()
     network: NetworkConfig = NetworkConfig()
     mcp: McpConfig = McpConfig()

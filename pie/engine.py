@@ -12,7 +12,7 @@ import trio
 from attrs import frozen
 
 from pie import __version__
-from pie.actors.bus import BusCore, BusStatistics
+from pie.actors.bus import BusCore, BusLimits, BusStatistics
 from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
@@ -106,7 +106,7 @@ class Engine:
             post=lambda events: self.inference.post(events),
         )
         self.inference = InferenceActor(driver, self.router, self.lanes, BatchFormer(policy))
-        self.bus = CoreActor(BusCore(), "bus", self.router)
+        self.bus = CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
         self.http = HttpActor(_fetcher(config.network), self.router)
         self.mcp = McpActor(config.mcp, self.router)
         self.programs = ProgramRegistry()

@@ -24,10 +24,11 @@ from pie.client import (
     WatchOverflowed,
     connect,
 )
+from pie.config import BusConfig
 from pie.events import inferlet as ev
 from pie.server.app import Server
 from pie.server.auth import UserStore
-from pie.server.bus import MAX_MESSAGE_BYTES, MAX_NAME_BYTES
+from pie.server.bus import MAX_NAME_BYTES
 from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
@@ -129,7 +130,9 @@ async def test_bad_names_and_messages_are_refused_and_the_connection_stays(
                 await raw.call(msg.Watch, topic=""),
                 await raw.call(msg.Publish, topic=long_name, message="x"),
                 await raw.call(msg.Push, queue="tab\there", message="x"),
-                await raw.call(msg.Publish, topic="t", message="x" * (MAX_MESSAGE_BYTES + 1)),
+                await raw.call(
+                    msg.Publish, topic="t", message="x" * (BusConfig().max_message_kb * 1024 + 1)
+                ),
                 await raw.call(msg.Unwatch, topic="never"),
             ]
             await ws.send_message('{"type": "Watch", "corr": 50, "topic": "\\ud800"}')

@@ -7,12 +7,14 @@ from attrs import frozen
 
 @frozen(kw_only=True)
 class Push:
-    """Append a message to a named queue; one puller receives it."""
+    """Append a message to a named queue; one puller receives it. `user` is charged for the
+    message while it waits in the queue (empty: the requester stands for its own user)."""
 
     corr: int
     requester: str
     queue: str
     message: str
+    user: str = ""
 
 
 @frozen(kw_only=True)

@@ -13,6 +13,7 @@ import trio
 from attrs import define
 
 from pie.actors.requester import Requester
+from pie.events import bus as bus_ev
 from pie.events.bus import TopicMessage
 from pie.server.hub import Refused
 from pie.wire import messages as msg
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
     from pie.engine import Engine
 
 MAX_NAME_BYTES = 256
-MAX_MESSAGE_BYTES = 1 << 20
 MAX_WATCHES = 64
 """Topics one connection may watch at once."""
 
@@ -70,13 +70,18 @@ class BusAccess:
 
     async def publish(self, topic: str, message: str) -> None:
         check_name("topic", topic)
-        check_message(message)
+        self._check_message(message)
         await (await self._requester()).publish(topic, message)
 
-    async def push(self, queue: str, message: str) -> None:
+    async def push(self, queue: str, message: str, user: str) -> None:
+        """Queues `message` as `user`'s: it counts against that user's bytes on the bus."""
         check_name("queue", queue)
-        check_message(message)
-        await (await self._requester()).push(queue, message)
+        self._check_message(message)
+        requester = await self._requester()
+        await requester.call("bus", bus_ev.Push, queue=queue, message=message, user=user)
+
+    def _check_message(self, message: str) -> None:
+        check_message(message, self._engine.config.bus.max_message_kb << 10)
 
     async def _forward(self, topic: str, *, task_status: trio.TaskStatus[None]) -> None:
         watch = _Watch(trio.CancelScope(), trio.Event())
@@ -127,12 +132,10 @@ def check_name(kind: str, name: str) -> None:
         raise Refused("bad-frame", f"the {kind} name {name!r} holds a control character")
 
 
-def check_message(message: str) -> None:
+def check_message(message: str, max_bytes: int) -> None:
     try:
         size = len(message.encode("utf-8"))
     except UnicodeEncodeError:
         raise Refused("bad-frame", "the message is not valid Unicode (a lone surrogate)") from None
-    if size > MAX_MESSAGE_BYTES:
-        raise Refused(
-            "too-large", f"the message is {size} bytes of UTF-8; at most {MAX_MESSAGE_BYTES}"
-        )
+    if size > max_bytes:
+        raise Refused("too-large", f"the message is {size} bytes of UTF-8; at most {max_bytes}")

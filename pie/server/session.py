@@ -143,7 +143,7 @@ class Session:
             case msg.Publish():
                 await self._bus.publish(request.topic, request.message)
             case msg.Push():
-                await self._bus.push(request.queue, request.message)
+                await self._bus.push(request.queue, request.message, self.user)
         return msg.Done(corr=request.corr)
 
     def _attach(self, request: msg.Attach) -> None:

@@ -19,7 +19,7 @@ def _bus(make: Any, **fields: Any) -> Any:
 
 
 def push(queue: str, message: str) -> None:
-    _bus(ev.Push, queue=queue, message=message)
+    _bus(ev.Push, queue=queue, message=message, user=current().user)
 
 
 def pull(queue: str) -> int:

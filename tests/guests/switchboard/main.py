@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inferlet import messaging, session
+from inferlet import HostError, messaging, session
 
 
 async def main(input: dict[str, Any]) -> Any:
@@ -25,4 +25,13 @@ async def main(input: dict[str, Any]) -> Any:
             messaging.broadcast(input["topic"], job.upper())
             done += 1
         return done
+    if mode == "hoard":
+        # Pushes `size` characters to queues nobody pulls until the bus refuses one.
+        message = "x" * int(input["size"])
+        for n in range(int(input["most"])):
+            try:
+                messaging.push(f"{input['queue']}{n}", message)
+            except HostError as err:
+                return {"pushed": n, "kind": err.kind}
+        return {"pushed": int(input["most"]), "kind": None}
     raise ValueError(f"unknown mode {mode!r}")
