@@ -43,6 +43,11 @@ def _at_least(n: int) -> Any:
     return check
 
 
+def _share(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
 @frozen(kw_only=True)
 class ModelConfig:
     path: str = DEFAULT_MODEL
@@ -76,6 +81,12 @@ class KvConfig:
     """Which contexts reuse each other's committed pages instead of computing them again: none,
     a user's own (so no program learns another user's prompts from how fast its pass ran), or
     every context's."""
+    inferlet_page_share: float = field(default=0.5, validator=_share)
+    """Of the pool, the pages one inferlet (or client) may hold; past it, out-of-pages."""
+    user_page_share: float = field(default=0.75, validator=_share)
+    """Of the pool, the pages all contexts of one user may hold; past it, out-of-pages."""
+    snapshot_page_share: float = field(default=0.25, validator=_share)
+    """Of the pool, the pages one user's named snapshots may hold; past it, snapshot-quota."""
 
 
 @frozen(kw_only=True)

@@ -17,7 +17,7 @@ from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.inferlet.files import FileLayout, Quota
-from pie.actors.kv import KvCore, KvStatistics
+from pie.actors.kv import KvCore, KvStatistics, Quotas
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
@@ -93,6 +93,7 @@ class Engine:
                 page_size=self.info.page_size,
                 vocab_size=self.info.vocab_size,
                 prefix_cache=config.kv.prefix_cache,
+                quotas=_quotas(config, self.info.num_pages),
             ),
             "kv",
             self.router,
@@ -250,6 +251,16 @@ async def open_engine(
             await engine._drain(drain_seconds)
             engine._close()
             nursery.cancel_scope.cancel()
+
+
+def _quotas(config: EngineConfig, num_pages: int) -> Quotas:
+    kv = config.kv
+    return Quotas.shares(
+        num_pages,
+        inferlet=kv.inferlet_page_share,
+        user=kv.user_page_share,
+        snapshots=kv.snapshot_page_share,
+    )
 
 
 def _fetcher(config: NetworkConfig) -> Fetcher:

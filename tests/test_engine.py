@@ -84,9 +84,14 @@ async def test_running_out_of_pages_refuses_one_requester_and_not_another() -> N
                 big = await greedy.create_context()
                 with pytest.raises(RequestRefused) as refused:
                     await greedy.forward(big, list(range(100)), GREEDY)
+                assert refused.value.kind == "too_large"
+                await greedy.forward(big, list(range(16)), greedy_at(15))
+                with pytest.raises(RequestRefused) as refused:
+                    await greedy.forward(await greedy.create_context(), list(range(32)), GREEDY)
                 assert refused.value.kind == "out_of_pages"
                 assert await decode(modest, [7, 8], 5) == [9, 10, 11, 12, 13]
                 assert tokens(await greedy.forward(big, [1, 2], greedy_at(1))) == [3]
+                assert engine.kv.core.quotas.inferlet == 2
 
 
 class PoisonDriver(SyntheticDriver):
@@ -179,7 +184,11 @@ async def test_decoding_within_a_reservation_allocates_no_pages() -> None:
 @pytest.mark.integration
 async def test_generation_goes_on_when_its_reservation_is_refused() -> None:
     with trio.fail_after(10):
-        async with open_engine(driver=SyntheticDriver(page_size=4, num_pages=2)) as engine:
+        whole_pool = with_overrides(
+            EngineConfig(), kv={"inferlet_page_share": 1.0, "user_page_share": 1.0}
+        )
+        driver = SyntheticDriver(page_size=4, num_pages=2)
+        async with open_engine(whole_pool, driver=driver) as engine:
             async with engine.requester() as r:
                 done = await generate(
                     r, [1, 2, 3], max_tokens=20, sampler=Argmax(), stop_tokens=[6]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pie.actors.kv import KvCore
+from pie.actors.kv import KvCore, Quotas
 from pie.actors.kv.core import KvStatistics
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
@@ -27,10 +27,18 @@ class Kv:
     """A KvCore and the bookkeeping a test needs to talk to it as a few requesters."""
 
     def __init__(
-        self, num_pages: int = 32, vocab_size: int = 100, prefix_cache: str = "user"
+        self,
+        num_pages: int = 32,
+        vocab_size: int = 100,
+        prefix_cache: str = "user",
+        quotas: Quotas | None = None,
     ) -> None:
         self.core = KvCore(
-            num_pages=num_pages, page_size=PAGE, vocab_size=vocab_size, prefix_cache=prefix_cache
+            num_pages=num_pages,
+            page_size=PAGE,
+            vocab_size=vocab_size,
+            prefix_cache=prefix_cache,
+            quotas=quotas,
         )
         self.pool = self.core.pool
         self._corr = itertools.count(1)
@@ -53,8 +61,8 @@ class Kv:
         assert isinstance(reply, ev.RequestFailed), reply
         return reply
 
-    def create(self, requester: str = "a") -> int:
-        return int(self.ok(ev.CreateContext, requester).context)
+    def create(self, requester: str = "a", user: str = "local") -> int:
+        return int(self.ok(ev.CreateContext, requester, user=user).context)
 
     def fork(self, context: int, requester: str = "a") -> int:
         return int(self.ok(ev.ForkContext, requester, context=context).context)
@@ -427,7 +435,7 @@ def test_running_out_of_pages_fails_the_request_and_changes_nothing() -> None:
     kv.write(context, [1, 2, 3, 4, 5])
     fork = kv.fork(context)
     before = kv.core.state()
-    failed = kv.refused(ev.SubmitForward, context=fork, tokens=tuple(range(1, 9)))
+    failed = kv.refused(ev.SubmitForward, context=fork, tokens=(1, 2, 3, 4))
     assert failed.kind == "out_of_pages"
     assert kv.core.state() == before
     kv.write(fork, [6, 7, 8])
@@ -722,7 +730,8 @@ def test_refusals_say_what_was_wrong() -> None:
         (ev.SaveContext, "a", {"context": context, "name": "n"}, "snapshot named 'n' exists"),
         (ev.ReserveTokens, "a", {"context": context, "count": -1}, "cannot reserve -1 tokens"),
         (ev.MaskPages, "a", {"context": context, "pages": (3,)}, "[3] outside 0..2"),
-        (ev.SubmitForward, "a", {"context": context, "tokens": (1,) * 4}, "free KV pages"),
+        (ev.SubmitForward, "a", {"context": context, "tokens": (1,) * 3}, "free KV pages"),
+        (ev.SubmitForward, "a", {"context": context, "tokens": (1,) * 4}, "at most 3"),
     ]
     for make, requester, fields, words in refusals:
         assert words in kv.refused(make, requester, **fields).message

@@ -211,7 +211,8 @@ def test_allocation_takes_empty_pages_first_then_evicts_the_least_recently_relea
 
 
 def test_a_pass_refused_for_lack_of_pages_leaves_the_cache_as_it_was() -> None:
-    kv = Cache(num_pages=3)
+    kv = Cache(num_pages=4)
+    kv.fill(kv.context(), (90, 91, 92, 93))
     first = kv.context()
     kv.fill(first, PROMPT[:8])
     kv.ok(ev.DestroyContext, context=first)
@@ -219,7 +220,7 @@ def test_a_pass_refused_for_lack_of_pages_leaves_the_cache_as_it_was() -> None:
     before = kv.core.state()
     longer = PROMPT[:8] + (1, 2, 3, 4, 5, 6, 7, 8)
     refused = kv.ask(ev.SubmitForward, context=second, tokens=longer)
-    assert refused.kind == "out_of_pages" and "1 of 3 free" in refused.message
+    assert refused.kind == "out_of_pages" and "1 of 4 free" in refused.message
     assert kv.core.state() == before and kv.stats() == (1, 0, 0, 0)
     request = kv.pass_(second, PROMPT[:8] + (1, 2, 3, 4))
     assert request.kv_start == 8 and kv.core.pool.free == 0

@@ -61,6 +61,15 @@ class DeleteSnapshot:
 
 
 @frozen(kw_only=True)
+class DropSnapshots:
+    """Delete every snapshot of `user`: the operator's way to free what a user saved."""
+
+    corr: int
+    requester: str
+    user: str
+
+
+@frozen(kw_only=True)
 class TruncateContext:
     """Drop the last `count` tokens (and their pages once empty)."""
 
@@ -142,6 +151,7 @@ KvCommand = (
     | SaveContext
     | OpenContext
     | DeleteSnapshot
+    | DropSnapshots
     | TruncateContext
     | ReserveTokens
     | MaskPages

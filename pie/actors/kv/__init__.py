@@ -2,5 +2,6 @@
 
 from pie.actors.kv.core import KvCore, KvStatistics
 from pie.actors.kv.pages import OutOfPages, PagePool
+from pie.actors.kv.quotas import Quotas
 
-__all__ = ["KvCore", "KvStatistics", "OutOfPages", "PagePool"]
+__all__ = ["KvCore", "KvStatistics", "OutOfPages", "PagePool", "Quotas"]

@@ -15,6 +15,8 @@ class Chain:
     """
 
     owner: str
+    user: str = "local"
+    """Whose quota the chain's pages count against."""
     pages: list[int] = field(factory=list)
     tokens: list[int] = field(factory=list)
     positions: list[int] = field(factory=list)
@@ -33,6 +35,7 @@ class Chain:
         with an empty reserve: reserved pages are this chain's alone."""
         return Chain(
             owner=owner,
+            user=self.user,
             pages=list(self.pages),
             tokens=list(self.tokens),
             positions=list(self.positions),
@@ -48,6 +51,7 @@ class Chain:
     def state(self) -> tuple[object, ...]:
         return (
             self.owner,
+            self.user,
             tuple(self.pages),
             tuple(self.tokens),
             tuple(self.positions),

@@ -13,6 +13,7 @@ from pie.actors.kv.context import Chain, InFlight
 from pie.actors.kv.leases import lease_for
 from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash, salted
 from pie.actors.kv.prefix import PrefixCache, park_surplus, skip_tokens
+from pie.actors.kv.quotas import Quotas, check_growth, check_size, check_snapshot
 from pie.actors.kv.statistics import KvStatistics
 from pie.actors.kv.validation import RequestError, validate_forward
 from pie.events import kv as ev
@@ -35,6 +36,7 @@ class KvCore:
         vocab_size: int,
         data_plane: str = "inference",
         prefix_cache: str = "user",
+        quotas: Quotas | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
@@ -44,6 +46,7 @@ class KvCore:
         """Where placed requests go (the inference actor, the data plane's face)."""
         self.pool = PagePool(num_pages, retain=prefix_cache != "off")
         self.prefix = PrefixCache(prefix_cache, self.pool, page_size)
+        self.quotas = quotas or Quotas.unlimited(num_pages)
         self.contexts: dict[int, Chain] = {}
         self.snapshots: dict[tuple[str, str], Chain] = {}
         self.in_flight: dict[int, InFlight] = {}
@@ -86,7 +89,8 @@ class KvCore:
                 self.pool.unpin(self.leases.pop(event.lease, ()))
                 return []
             case ev.CreateContext():
-                chain = Chain(owner=event.requester, salt=self.prefix.first_salt(event.user))
+                salt = self.prefix.first_salt(event.user)
+                chain = Chain(owner=event.requester, user=event.user, salt=salt)
                 return self._created(event, chain)
             case ev.ForkContext():
                 source = self._owned(event.context, event.requester)
@@ -99,9 +103,12 @@ class KvCore:
             case ev.SaveContext():
                 return self._save(event)
             case ev.DeleteSnapshot():
-                snapshot = self._snapshot((event.user, event.name))
-                del self.snapshots[(event.user, event.name)]
-                self._release_chain(snapshot.pages)
+                self._snapshot((event.user, event.name))
+                self._delete_snapshot((event.user, event.name))
+                return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.DropSnapshots():
+                for key in [k for k in self.snapshots if k[0] == event.user]:
+                    self._delete_snapshot(key)
                 return [(event.requester, ev.Done(corr=event.corr))]
             case ev.DestroyContext():
                 self._owned(event.context, event.requester)
@@ -143,11 +150,15 @@ class KvCore:
             salt = salted(old_salt, repr(event.attention_masks))
         reuse = self.prefix.find(chain, event, positions, salt)
         reused = [page for page, _ in reuse or ()]
-        needed = self._pages_for(old_length + len(event.tokens)) - len(chain.pages) - len(reused)
+        total = self._pages_for(old_length + len(event.tokens))
+        check_size(self.quotas, old_length + len(event.tokens), total)
+        needed = total - len(chain.pages) - len(reused)
         tail = self._tail_needing_copy(chain, old_length)
         count = needed + (1 if tail is not None else 0)
         # Checked before anything changes, so that a refused pass leaves the cache as it was.
         self.pool.check_room(count - len(chain.reserved), keep=reused)
+        grow = max(count - len(chain.reserved), 0)
+        check_growth(self.quotas, self.contexts.values(), chain, grow, reused)
         self.prefix.attach(chain, reuse)
         added, from_reserve = self._take(chain, count)
         copies: tuple[PageCopy, ...] = ()
@@ -327,9 +338,15 @@ class KvCore:
         key = (event.user, event.name)
         if key in self.snapshots:
             raise RequestError("snapshot_exists", f"a snapshot named {event.name!r} exists")
+        snapshot = chain.copy(owner=f"snapshot:{event.user}")
+        snapshot.user = event.user
+        check_snapshot(self.quotas, self.snapshots.values(), snapshot)
         self.pool.share(chain.pages)
-        self.snapshots[key] = chain.copy(owner=f"snapshot:{event.user}")
+        self.snapshots[key] = snapshot
         return [(event.requester, ev.Done(corr=event.corr))]
+
+    def _delete_snapshot(self, key: tuple[str, str]) -> None:
+        self._release_chain(self.snapshots.pop(key).pages)
 
     def _drop(self, context: int) -> None:
         chain = self.contexts.pop(context)
@@ -350,6 +367,8 @@ class KvCore:
         length = len(chain.tokens)
         copy = 1 if count and self._tail_needing_copy(chain, length) is not None else 0
         wanted = self._pages_for(length + count) + copy - len(chain.pages) - len(chain.reserved)
+        self.pool.check_room(wanted)
+        check_growth(self.quotas, self.contexts.values(), chain, wanted)
         chain.reserved.extend(self.pool.allocate(max(wanted, 0)))
 
     def _truncate(self, chain: Chain, count: int) -> None:
