@@ -183,6 +183,11 @@ class NetworkConfig:
     max_response_mb: float = 16.0
     max_redirects: int = field(default=5, validator=_at_least(0))
     max_connections: int = field(default=64, validator=_at_least(1))
+    """Open connections kept by the engine's HTTP client, all inferlets together."""
+    max_fetches_per_inferlet: int = field(default=8, validator=_at_least(1))
+    """Requests one inferlet may have in flight; more fail `busy` at once."""
+    max_fetches_per_user: int = field(default=32, validator=_at_least(1))
+    """Requests one user's inferlets may have in flight together; more fail `busy` at once."""
 
 
 _MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

@@ -34,6 +34,7 @@ from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
 from pie.net.fetch import Fetcher, Limits
 from pie.net.policy import NetworkPolicy
+from pie.net.quota import FetchQuota
 from pie.sandbox import SandboxLimits, WasmRuntime
 from pie.sandbox.host import ModelView
 
@@ -108,7 +109,7 @@ class Engine:
         )
         self.inference = InferenceActor(driver, self.router, self.lanes, BatchFormer(policy))
         self.bus = CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
-        self.http = HttpActor(_fetcher(config.network), self.router)
+        self.http = HttpActor(_fetcher(config.network), self.router, _fetch_quota(config.network))
         self.mcp = McpActor(config.mcp, self.router)
         self.programs = ProgramRegistry()
         self.wasm = WasmRuntime(
@@ -260,6 +261,12 @@ def _quotas(config: EngineConfig, num_pages: int) -> Quotas:
         inferlet=kv.inferlet_page_share,
         user=kv.user_page_share,
         snapshots=kv.snapshot_page_share,
+    )
+
+
+def _fetch_quota(config: NetworkConfig) -> FetchQuota:
+    return FetchQuota(
+        per_inferlet=config.max_fetches_per_inferlet, per_user=config.max_fetches_per_user
     )
 
 

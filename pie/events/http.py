@@ -11,6 +11,8 @@ from attrs import frozen
 class HttpFetch:
     corr: int
     requester: str
+    user: str = ""
+    """Whose inferlet asks: requests in flight are counted per inferlet and per user."""
     method: str
     url: str
     headers: tuple[tuple[str, str], ...]

@@ -9,6 +9,7 @@ the connection.
 
 from __future__ import annotations
 
+import re
 import socket
 import urllib.parse
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ import httpcore
 import trio
 from attrs import frozen
 
-from pie.net.policy import NetworkPolicy, parse_address
+from pie.net.policy import NetworkPolicy, Origin, parse_address
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -83,10 +84,12 @@ class _PolicyBackend(httpcore.AsyncNetworkBackend):
     async def _checked(self, host: str, port: int) -> list[str]:
         literal = parse_address(host)
         if literal is not None:
-            if not self._policy.allows_address(literal, by_name=False):
+            if not self._policy.allows_address(literal, origin="literal"):
                 raise _Denied(f"the network policy does not allow {literal}")
             return [str(literal)]
-        by_name = self._policy.allows_name(host)
+        if not self._policy.may_resolve(host):
+            raise _Denied(f"the network policy does not allow {host!r}")
+        origin: Origin = "allowed-name" if self._policy.allows_name(host) else "other-name"
         try:
             infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
@@ -94,7 +97,7 @@ class _PolicyBackend(httpcore.AsyncNetworkBackend):
         allowed: list[str] = []
         for info in infos:
             address = parse_address(str(info[4][0]))
-            if address is not None and self._policy.allows_address(address, by_name=by_name):
+            if address is not None and self._policy.allows_address(address, origin=origin):
                 if str(address) not in allowed:
                     allowed.append(str(address))
         if not allowed:
@@ -227,11 +230,42 @@ def _say(exc: Exception) -> str:
 
 
 def _parse(url: str) -> urllib.parse.SplitResult:
+    """`url` split, in the ASCII form the HTTP client takes: the host in its IDNA form, the
+    rest percent-encoded."""
     try:
         parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (raises on a bad port)
+        port = parts.port
     except ValueError as exc:
         raise FetchError("invalid", f"bad URL {url!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise FetchError("invalid", f"only http and https URLs with a host: {url!r}")
-    return parts
+    host = _ascii_host(parts.hostname)
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None:
+        netloc = f"{netloc}:{port}"
+    userinfo = parts.netloc.rpartition("@")[0]
+    if userinfo:
+        netloc = f"{_quote(userinfo)}@{netloc}"
+    path, query, fragment = (_quote(p) for p in (parts.path, parts.query, parts.fragment))
+    return urllib.parse.SplitResult(parts.scheme, netloc, path, query, fragment)
+
+
+_HOST = re.compile(r"[a-z0-9._~!$&'()*+,;=%:-]+")
+
+
+def _ascii_host(host: str) -> str:
+    """`host` (lower case) in ASCII: an international name in its IDNA (punycode) form."""
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError as exc:
+            raise FetchError("invalid", f"{host!r} is not a valid host name: {exc}") from None
+    if not _HOST.fullmatch(host):
+        raise FetchError("invalid", f"{host!r} is not a valid host name")
+    return host
+
+
+def _quote(text: str) -> str:
+    """`text` with every character a URL may not carry as is (non-ASCII, spaces, controls)
+    percent-encoded, and everything else, escapes included, left alone."""
+    return urllib.parse.quote(text, safe="!#$%&'()*+,/:;=?@[]~")

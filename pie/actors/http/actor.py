@@ -1,19 +1,25 @@
 """Runs each `HttpFetch` as a task of its own and answers its requester with `HttpFetched` or
-a `RequestFailed` (denied, invalid, timeout, too-large, unreachable, protocol). Forward passes
-never wait on these: the requester's program waits on its own pollable."""
+a `RequestFailed` (denied, invalid, timeout, too-large, unreachable, protocol; `busy` when the
+inferlet or its user already has as many requests in flight as `[network]` allows; `internal`
+when the request failed in a way the engine did not foresee). Forward passes never wait on
+these: the requester's program waits on its own pollable, and no request's failure reaches
+the actor or the engine."""
 
 from __future__ import annotations
 
+import sys
+import traceback
 from typing import Any
 
 import attrs
 import trio
 from attrs import define
 
-from pie.actors.runtime import Actor, Router
+from pie.actors.runtime import Actor, MailboxOverrun, Router, UnexpectedEvent
 from pie.events.http import HttpFetch, HttpFetched
 from pie.events.kv import RequestFailed
 from pie.net.fetch import Fetcher, FetchError
+from pie.net.quota import FetchAdmission, FetchQuota
 
 
 @define
@@ -22,6 +28,7 @@ class HttpStatistics:
     responses: int = 0
     failures: int = 0
     denied: int = 0
+    refused_busy: int = 0
     running: int = 0
     bytes_received: int = 0
 
@@ -29,9 +36,12 @@ class HttpStatistics:
 class HttpActor(Actor):
     accepts = HttpFetch
 
-    def __init__(self, fetcher: Fetcher, router: Router, address: str = "http") -> None:
+    def __init__(
+        self, fetcher: Fetcher, router: Router, quota: FetchQuota, address: str = "http"
+    ) -> None:
         super().__init__(address, router)
         self.fetcher = fetcher
+        self._admission = FetchAdmission(quota)
         self._stats = HttpStatistics()
         self._nursery: trio.Nursery | None = None
 
@@ -50,11 +60,24 @@ class HttpActor(Actor):
             raise TypeError(f"http actor got an unexpected event {type(event).__name__}")
         assert self._nursery is not None
         self._stats.requests += 1
+        refused = self._admission.admit(event.requester, event.user)
+        if refused is not None:
+            self._stats.failures += 1
+            self._stats.refused_busy += 1
+            self._reply(event, RequestFailed(corr=event.corr, kind="busy", message=refused))
+            return
         self._stats.running += 1
         self._nursery.start_soon(self._fetch, event)
 
     async def _fetch(self, request: HttpFetch) -> None:
-        reply: Any
+        try:
+            reply = await self._answer(request)
+        finally:
+            self._stats.running -= 1
+            self._admission.release(request.requester, request.user)
+        self._reply(request, reply)
+
+    async def _answer(self, request: HttpFetch) -> HttpFetched | RequestFailed:
         try:
             response = await self.fetcher.fetch(
                 request.method,
@@ -67,20 +90,32 @@ class HttpActor(Actor):
         except FetchError as exc:
             self._stats.failures += 1
             self._stats.denied += exc.kind == "denied"
-            reply = RequestFailed(corr=request.corr, kind=exc.kind, message=exc.message)
-        else:
-            self._stats.responses += 1
-            self._stats.bytes_received += len(response.body)
-            reply = HttpFetched(
-                corr=request.corr,
-                status=response.status,
-                url=response.url,
-                headers=response.headers,
-                body=response.body,
+            return RequestFailed(corr=request.corr, kind=exc.kind, message=exc.message)
+        except Exception as exc:  # one request's surprise must not stop the engine
+            self._stats.failures += 1
+            print(
+                f"{self.address}: {request.method} {request.url!r} failed",
+                "".join(traceback.format_exception(exc)),
+                file=sys.stderr,
+                sep="\n",
             )
-        finally:
-            self._stats.running -= 1
-        self.router.send_nowait(self.address, request.requester, reply)
+            message = "the engine failed on this request (the server's log has the details)"
+            return RequestFailed(corr=request.corr, kind="internal", message=message)
+        self._stats.responses += 1
+        self._stats.bytes_received += len(response.body)
+        return HttpFetched(
+            corr=request.corr,
+            status=response.status,
+            url=response.url,
+            headers=response.headers,
+            body=response.body,
+        )
+
+    def _reply(self, request: HttpFetch, reply: HttpFetched | RequestFailed) -> None:
+        try:
+            self.router.send_nowait(self.address, request.requester, reply)
+        except (MailboxOverrun, UnexpectedEvent) as exc:
+            print(f"{self.address}: no answer to {request.requester}: {exc}", file=sys.stderr)
 
     def statistics(self) -> HttpStatistics:
         return attrs.evolve(self._stats)

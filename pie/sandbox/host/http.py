@@ -25,6 +25,7 @@ def fetch(request: Any) -> int:
     event = ev.HttpFetch(
         corr=state.next_corr(),
         requester=state.address,
+        user=state.user,
         method=request.method,
         url=request.url,
         headers=tuple((h.name, h.value) for h in request.headers),
