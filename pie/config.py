@@ -110,6 +110,9 @@ class EventLogConfig:
     max_unwritten: int = field(default=100_000, validator=_at_least(1))
     """Records the file writer may fall behind by; past that, records are left out of the file
     (which marks the gap) until it catches up by half."""
+    ring_payload_chars: int = field(default=256, validator=_at_least(0))
+    """Of each text or bytes field of an event, what the in-memory ring keeps (0: all); the
+    file keeps every event whole."""
 
 
 @frozen(kw_only=True)

@@ -73,6 +73,7 @@ class Engine:
                 ring_size=log_config.ring_size,
                 path=log_config.path or None,
                 max_unwritten=log_config.max_unwritten,
+                ring_payload=log_config.ring_payload_chars,
             )
             if log_config.enabled
             else None

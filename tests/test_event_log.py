@@ -19,7 +19,7 @@ from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import open_engine
 from pie.eventlog import EventLog, Gap, LogGap, read_entries, read_log
-from pie.events import kv
+from pie.events import bus, http, kv
 from pie.events.batching import EngineStarted
 
 
@@ -244,3 +244,44 @@ async def test_an_engine_whose_log_file_fails_keeps_serving(tmp_path: Path) -> N
     stats = statistics.file
     assert stats is not None and stats.error is not None and "No space left" in stats.error
     assert stats.written == 0 and stats.dropped == statistics.appended
+
+
+@pytest.mark.unit
+def test_the_ring_keeps_a_prefix_of_a_long_payload_and_the_file_keeps_it_whole(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path=path, ring_payload=8)
+    whole = bus.Push(corr=1, requester="a", queue="q", message="x" * 10_000, user="u")
+    short = bus.Push(corr=2, requester="a", queue="q", message="12345678", user="u")
+    fetched = http.HttpFetched(
+        corr=3, status=200, url="http://a/", headers=(("k", "v"),), body=b"y" * 100
+    )
+    for event in (whole, short, fetched):
+        log.append("a", "bus", event)
+    log.close()
+    kept = [e.event for e in log.records()]
+    assert kept[0].message == "xxxxxxxx... [10000 in all; the ring keeps 8]"
+    assert (kept[0].queue, kept[0].user) == ("q", "u")
+    assert kept[1] is short
+    assert kept[2].body == b"yyyyyyyy... [100 in all; the ring keeps 8]"
+    assert kept[2].headers == fetched.headers
+    assert [e.event for e in read_log(path)] == [whole, short, fetched]
+
+
+@pytest.mark.unit
+def test_a_ring_payload_of_zero_keeps_events_whole() -> None:
+    log = EventLog(ring_payload=0)
+    event = bus.Publish(corr=1, requester="a", topic="t", message="m" * 10_000)
+    log.append("a", "bus", event)
+    assert log.records()[0].event is event
+
+
+@pytest.mark.unit
+def test_by_default_the_ring_holds_little_of_a_million_character_message() -> None:
+    log = EventLog()
+    for corr in range(20):
+        log.append(
+            "a", "bus", bus.Publish(corr=corr, requester="a", topic="t", message="m" * 2**20)
+        )
+    assert sum(len(e.event.message) for e in log.records()) < 20 * 512

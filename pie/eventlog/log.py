@@ -12,6 +12,7 @@ from typing import IO, Any
 
 from attrs import frozen
 
+from pie.eventlog.clip import clip
 from pie.eventlog.records import Envelope, Gap, Row
 from pie.eventlog.writer import FileWriter, WriterStatistics
 
@@ -37,6 +38,8 @@ class EventLog:
     `append` is called from one thread (the Trio thread) and only numbers the envelope, keeps
     it and hands it to the file writer; the writer thread encodes and writes in seq order,
     leaving out (and marking as a gap) what arrives while it is `max_unwritten` records behind.
+    The ring keeps each text or bytes field of an event only up to `ring_payload` characters
+    (0: in full); the file gets the whole event.
     `file`, instead of `path`, is an open text file to write (closed with the log).
     """
 
@@ -47,7 +50,9 @@ class EventLog:
         path: str | Path | None = None,
         max_unwritten: int = 100_000,
         file: IO[str] | None = None,
+        ring_payload: int = 256,
     ) -> None:
+        self.ring_payload = ring_payload
         self._ring: collections.deque[Row] = collections.deque(maxlen=ring_size or None)
         self._seq = 0
         self.path = Path(path) if path else None
@@ -65,8 +70,10 @@ class EventLog:
     def append(self, src: str, dst: str, event: Any) -> int:
         """Records a delivery; returns its seq."""
         self._seq += 1
-        row = (self._seq, time.time(), src, dst, event)
-        self._ring.append(row)
+        now = time.time()
+        row = (self._seq, now, src, dst, event)
+        kept = clip(event, self.ring_payload) if self.ring_payload else event
+        self._ring.append(row if kept is event else (self._seq, now, src, dst, kept))
         if self._writer is not None:
             self._writer.submit(row)
         return self._seq
