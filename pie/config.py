@@ -99,6 +99,11 @@ class SchedulerConfig:
     """Run inferlets' plain decodes on the driver thread (leases), without Trio round trips."""
     speculation_depth: int = field(default=1, validator=_at_least(0))
     """Passes staged ahead of a program on the fast path (0: none)."""
+    max_slots_per_pass: int = field(default=512, validator=_at_least(1))
+    """Sampling and probe slots one program's pass may have; more is refused as invalid."""
+    max_probe_values: int = field(default=1 << 22, validator=_at_least(1))
+    """Values one pass's slots may return together (a raw-logits row is the vocabulary, a
+    distribution two per token); more is refused as invalid before the driver sees it."""
 
 
 @frozen(kw_only=True)

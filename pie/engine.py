@@ -17,7 +17,7 @@ from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.inferlet.files import FileLayout, Quota
-from pie.actors.kv import KvCore, KvStatistics, Quotas
+from pie.actors.kv import KvCore, KvStatistics, OutputLimits, Quotas
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
@@ -96,6 +96,10 @@ class Engine:
                 vocab_size=self.info.vocab_size,
                 prefix_cache=config.kv.prefix_cache,
                 quotas=_quotas(config, self.info.num_pages),
+                outputs=OutputLimits(
+                    max_slots=config.scheduler.max_slots_per_pass,
+                    max_values=config.scheduler.max_probe_values,
+                ),
             ),
             "kv",
             self.router,

@@ -19,6 +19,7 @@ from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.events import inferlet as ev
+from pie.events import kv as kv_ev
 from pie.sandbox import WasmRuntime
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
@@ -75,8 +76,10 @@ class Pool:
 
 
 @contextlib.asynccontextmanager
-async def pool_engine(guest: Guest, **kv: Any) -> AsyncIterator[Pool]:
-    config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(guest.components)}, kv=kv)
+async def pool_engine(guest: Guest, **scheduler: Any) -> AsyncIterator[Pool]:
+    config = with_overrides(
+        EngineConfig(), sandbox={"cache_dir": str(guest.components)}, scheduler=scheduler
+    )
     driver = SyntheticDriver(page_size=PAGE, num_pages=PAGES)
     async with open_engine(config, driver=driver) as engine:
         yield Pool(engine, engine.programs.add(guest.wasm).hash)
@@ -121,5 +124,39 @@ async def test_a_prompt_larger_than_the_pool_is_too_large_and_others_are_served(
         over_quota = await pool.run(mode="prompt", tokens=PAGES * PAGE // 2 + 1)
         assert over_quota["refused"] == "too-large" and "at most 32" in over_quota["message"]
         assert await pool.run(mode="prompt", tokens=PAGES * PAGE // 2) == {"tokens": 128}
+        await pool.served()
+        await pool.whole()
+
+
+async def test_one_users_snapshots_stop_at_their_quota_and_the_operator_can_drop_them(
+    kv_hog: Guest,
+) -> None:
+    async with pool_engine(kv_hog) as pool, pool.engine.requester() as operator:
+        filled = await pool.run(mode="save", tokens=4 * PAGE)
+        assert filled["refused"] == "snapshot-quota" and filled["saved"] == PAGES // 4 // 4
+        assert (await pool.run("alice", mode="save", tokens=4 * PAGE))["saved"] == 4
+        await pool.served()
+        await operator.call("kv", kv_ev.DropSnapshots, user="mallory")
+        assert {user for user, _ in pool.engine.kv.core.snapshots} == {"alice"}
+        assert (await pool.run(mode="save", tokens=4 * PAGE))["saved"] == 4
+        await operator.call("kv", kv_ev.DropSnapshots, user="mallory")
+        await operator.call("kv", kv_ev.DropSnapshots, user="alice")
+        await pool.whole()
+
+
+async def test_a_pass_asking_for_too_many_probes_is_invalid_before_the_driver_runs_it(
+    kv_hog: Guest,
+) -> None:
+    async with pool_engine(kv_hog, max_slots_per_pass=32, max_probe_values=5000) as pool:
+        passes = pool.engine.statistics().inference.passes
+        slots = await pool.run(mode="probe", probe="entropy", slots=33)
+        assert slots["refused"] == "invalid" and "max_slots_per_pass" in slots["message"]
+        logits = await pool.run(mode="probe", probe="logits", slots=6)
+        assert logits["refused"] == "invalid" and "max_probe_values" in logits["message"]
+        wide = await pool.run(mode="probe", probe="distribution", k=1000, slots=3)
+        assert wide["refused"] == "invalid"
+        assert pool.engine.statistics().inference.passes == passes
+        assert await pool.run("alice", mode="probe", probe="entropy", slots=32) == {"outputs": 32}
+        assert await pool.run("alice", mode="probe", probe="logits", slots=5) == {"outputs": 5}
         await pool.served()
         await pool.whole()

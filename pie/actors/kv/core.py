@@ -15,7 +15,7 @@ from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash, salted
 from pie.actors.kv.prefix import PrefixCache, park_surplus, skip_tokens
 from pie.actors.kv.quotas import Quotas, check_growth, check_size, check_snapshot
 from pie.actors.kv.statistics import KvStatistics
-from pie.actors.kv.validation import RequestError, validate_forward
+from pie.actors.kv.validation import OutputLimits, RequestError, validate_forward
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
@@ -37,6 +37,7 @@ class KvCore:
         data_plane: str = "inference",
         prefix_cache: str = "user",
         quotas: Quotas | None = None,
+        outputs: OutputLimits | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
@@ -47,6 +48,7 @@ class KvCore:
         self.pool = PagePool(num_pages, retain=prefix_cache != "off")
         self.prefix = PrefixCache(prefix_cache, self.pool, page_size)
         self.quotas = quotas or Quotas.unlimited(num_pages)
+        self.outputs = outputs or OutputLimits()
         self.contexts: dict[int, Chain] = {}
         self.snapshots: dict[tuple[str, str], Chain] = {}
         self.in_flight: dict[int, InFlight] = {}
@@ -138,7 +140,7 @@ class KvCore:
     def _place(self, event: ev.SubmitForward) -> ForwardRequest:
         chain = self._owned(event.context, event.requester)
         self._quiet(chain, "submit a pass to")
-        validate_forward(event, len(chain.tokens), self.vocab_size)
+        validate_forward(event, len(chain.tokens), self.vocab_size, self.outputs)
         positions = event.positions
         if positions is None:
             start = chain.next_position()

@@ -3,11 +3,23 @@ instead of reaching the driver."""
 
 from __future__ import annotations
 
+from attrs import frozen
+
 from pie.events.kv import SubmitForward
-from pie.events.sampling import LogProbs
+from pie.events.sampling import Distribution, LogProbs, RawLogits, SlotOp
 
 MAX_POSITION = 2**31
 """Attention kernels (flashinfer) take positions as int32; the page hash packs them as int64."""
+
+
+@frozen(kw_only=True)
+class OutputLimits:
+    """What one pass may ask the driver to read out: its sampling and probe slots, and the
+    values all of them return together (a raw-logits row is the vocabulary, a distribution two
+    per token it lists, logprobs one per token, anything else one)."""
+
+    max_slots: int = 512
+    max_values: int = 1 << 22
 
 
 class RequestError(Exception):
@@ -18,7 +30,9 @@ class RequestError(Exception):
         self.kind = kind
 
 
-def validate_forward(event: SubmitForward, length: int, vocab_size: int) -> None:
+def validate_forward(
+    event: SubmitForward, length: int, vocab_size: int, limits: OutputLimits | None = None
+) -> None:
     """Raises RequestError("invalid", ...) naming the first problem with a pass."""
     count = len(event.tokens)
     if count == 0:
@@ -33,6 +47,7 @@ def validate_forward(event: SubmitForward, length: int, vocab_size: int) -> None
     if event.positions is not None and any(not 0 <= p < MAX_POSITION for p in event.positions):
         raise RequestError("invalid", f"positions must be in 0..{MAX_POSITION - 1}")
     _check_slots(event, count, vocab_size)
+    _check_outputs(event, vocab_size, limits or OutputLimits())
     if event.logit_mask is not None:
         _check_runs("logit mask", event.logit_mask, (vocab_size,))
     if event.attention_masks is not None:
@@ -54,6 +69,33 @@ def _check_slots(event: SubmitForward, count: int, vocab_size: int) -> None:
             bad = [t for t in slot.op.tokens if not 0 <= t < vocab_size]
             if bad:
                 raise RequestError("invalid", f"logprob tokens {bad[:5]} outside the vocabulary")
+
+
+def _check_outputs(event: SubmitForward, vocab_size: int, limits: OutputLimits) -> None:
+    if len(event.slots) > limits.max_slots:
+        raise RequestError(
+            "invalid",
+            f"{len(event.slots)} sampling and probe slots in one pass; at most "
+            f"{limits.max_slots} ([scheduler] max_slots_per_pass)",
+        )
+    values = sum(_values(slot.op, vocab_size) for slot in event.slots)
+    if values > limits.max_values:
+        raise RequestError(
+            "invalid",
+            f"the pass's slots would return {values} values; at most {limits.max_values} "
+            "([scheduler] max_probe_values)",
+        )
+
+
+def _values(op: SlotOp, vocab_size: int) -> int:
+    match op:
+        case RawLogits():
+            return vocab_size
+        case Distribution():
+            return 2 * min(op.k, vocab_size)
+        case LogProbs():
+            return len(op.tokens)
+    return 1
 
 
 def _check_runs(what: str, runs: tuple[int, ...], lengths: tuple[int, ...]) -> None:
