@@ -4,6 +4,7 @@ everything else the engine runs; the response streams back as the instance write
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -102,6 +103,10 @@ class HttpFront:
         while self._in_flight:
             await trio.sleep(0.02)
 
+    @property
+    def _body_limit(self) -> int:
+        return int(self.config.max_body_mb * (1 << 20))
+
     def statistics(self) -> HttpStatistics:
         return HttpStatistics(
             requests=self._requests, in_flight=self._in_flight, failed=self._failed
@@ -121,6 +126,16 @@ class HttpFront:
                 self._in_flight -= 1
 
     async def _request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if _ambiguous_length(scope):
+            # The shape of request smuggling: two framings disagree on where the body ends, so
+            # nothing after this request's head on this connection can be trusted.
+            # Its body is read first (up to the limit), so that hypercorn has parsed to the end of
+            # this request before the refusal asks it to close the connection.
+            with contextlib.suppress(_ClientGone):
+                await _read_body(receive, self._body_limit)
+                message = "a request may not carry both Content-Length and Transfer-Encoding"
+                await _error(send, 400, message, "bad_request", close=True)
+            return
         found = self.mounts.find(scope["path"])
         if found is None:
             await _error(send, 404, f"nothing is mounted at {scope['path']}", "not_found")
@@ -131,7 +146,7 @@ class HttpFront:
             await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "unauthenticated")
             return
         try:
-            body = await _read_body(receive, int(self.config.max_body_mb * (1 << 20)))
+            body = await _read_body(receive, self._body_limit)
         except _ClientGone:
             return
         if body is None:
@@ -241,9 +256,16 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
             return b"".join(parts)
 
 
-async def _error(send: Send, status: int, message: str, kind: str) -> None:
+def _ambiguous_length(scope: Scope) -> bool:
+    names = {name for name, _ in scope["headers"]}
+    return b"transfer-encoding" in names and b"content-length" in names
+
+
+async def _error(send: Send, status: int, message: str, kind: str, *, close: bool = False) -> None:
     body = json.dumps({"error": {"message": message, "type": kind}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

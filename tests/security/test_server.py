@@ -55,3 +55,34 @@ async def test_a_program_answering_an_interim_status_gets_its_caller_a_500(
     assert after.status_code == 200 and after.json()["path"] == "/echo"
     assert fine.status_code == 204
     assert engine.statistics().inferlets.running == 0
+
+
+async def _exchange(port: int, request: bytes) -> bytes:
+    """Everything the server sends on one raw connection until it closes it."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(request)
+        received = b""
+        while chunk := await stream.receive_some(1 << 16):
+            received += chunk
+        return received
+
+
+async def test_a_request_with_both_content_length_and_transfer_encoding_is_refused_and_closed(
+    served: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    smuggled = (
+        b"POST /s/echo HTTP/1.1\r\nHost: pie\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        b"GET /s/echo?smuggled=1 HTTP/1.1\r\nHost: pie\r\n\r\n"
+    )
+    async with http_front(tokenizer, components, {"/s": served}) as (engine, front, client):
+        with trio.fail_after(60):
+            answer = await _exchange(front.port, smuggled)
+            after = await client.get("/s/echo?good=1")
+        launched = engine.statistics().inferlets.launched
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"smuggled" not in answer
+    assert b"Content-Length and Transfer-Encoding" in answer
+    assert after.status_code == 200 and after.json()["params"] == {"good": "1"}
+    assert launched == 1
