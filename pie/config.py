@@ -141,6 +141,16 @@ class SandboxConfig:
     """Linear memory cap per inferlet (a Python inferlet needs about 13 MB to start)."""
     max_concurrent: int = field(default=64, validator=_at_least(1))
     """Inferlets running at once; more wait in the admission queue."""
+    guest_memory_mb: int = field(default=0, validator=_at_least(0))
+    """Linear memory all running inferlets may reserve together: one is admitted only while
+    its memory_mb fits in what is left (0: half of the machine's memory, at least memory_mb)."""
+    max_inferlets_per_user: int = field(default=256, validator=_at_least(0))
+    """Inferlets of one user running and queued together; more launches are refused (0: no
+    limit)."""
+    max_children: int = field(default=64, validator=_at_least(0))
+    """Children one inferlet may have running and queued at once (0: no limit)."""
+    max_child_depth: int = field(default=8, validator=_at_least(0))
+    """How many generations of children below an inferlet a client launched (0: none)."""
     cache_dir: str = ""
     """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""
     scratch_dir: str = ""
@@ -164,6 +174,25 @@ class SandboxConfig:
     guest_niceness: int = field(default=10, validator=[_at_least(0), attrs.validators.le(19)])
     """Scheduling niceness of guest threads (0-19): above 0, busy guests yield the CPU to the
     engine's own threads, and to every other process on the machine."""
+
+    def __attrs_post_init__(self) -> None:
+        if 0 < self.guest_memory_mb < self.memory_mb:
+            raise ValueError(
+                f"guest_memory_mb ({self.guest_memory_mb}) must be 0 or at least memory_mb "
+                f"({self.memory_mb}): no inferlet could ever be admitted"
+            )
+
+    @property
+    def guest_memory_bytes(self) -> int:
+        """The guests' memory budget in bytes, `guest_memory_mb` or, when 0, half of this
+        machine's memory (never below one inferlet's cap)."""
+        if self.guest_memory_mb:
+            return self.guest_memory_mb << 20
+        try:
+            half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        except (ValueError, OSError):
+            half = 0
+        return max(half, self.memory_mb << 20)
 
 
 def _policy_entries(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:

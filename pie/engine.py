@@ -16,6 +16,7 @@ from pie.actors.bus import BusCore, BusLimits, BusStatistics
 from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceActor, InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
+from pie.actors.inferlet.core import AdmissionLimits
 from pie.actors.inferlet.files import FileLayout, Quota
 from pie.actors.kv import KvCore, KvStatistics, OutputLimits, Quotas
 from pie.actors.mcp import McpActor, McpStatistics
@@ -133,7 +134,7 @@ class Engine:
             max_batch_tokens=max_batch_tokens,
         )
         return InferletActor(
-            InferletCore(self.programs, max_concurrent=sandbox.max_concurrent),
+            InferletCore(self.programs, _admission_limits(sandbox)),
             self.router,
             wasm=self.wasm,
             models=[model],
@@ -283,6 +284,17 @@ def _fetcher(config: NetworkConfig) -> Fetcher:
     )
     policy = NetworkPolicy.parse(config.allow, config.deny)
     return Fetcher(policy, limits, max_connections=config.max_connections)
+
+
+def _admission_limits(sandbox: SandboxConfig) -> AdmissionLimits:
+    return AdmissionLimits(
+        max_concurrent=sandbox.max_concurrent,
+        max_per_user=sandbox.max_inferlets_per_user,
+        max_children=sandbox.max_children,
+        max_depth=sandbox.max_child_depth,
+        memory_cap=sandbox.memory_mb << 20,
+        memory_budget=sandbox.guest_memory_bytes,
+    )
 
 
 def _file_layout(config: SandboxConfig) -> FileLayout:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pie.actors.inferlet import InferletCore, ProgramError, ProgramRegistry
-from pie.actors.inferlet.core import InferletStatistics
+from pie.actors.inferlet.core import AdmissionLimits, InferletStatistics
 from pie.events import inferlet as ev
 from pie.events.kv import Done, RequestFailed
 
@@ -14,14 +14,19 @@ pytestmark = pytest.mark.unit
 WASM = b"\0asm\x0d\x00\x01\x00"
 
 
-def core_with_program(max_concurrent: int = 2) -> tuple[InferletCore, str]:
+def core_with_program(max_concurrent: int = 2, **limits: int) -> tuple[InferletCore, str]:
     programs = ProgramRegistry()
     info = programs.add(WASM, name="demo", version="1.0")
-    return InferletCore(programs, max_concurrent=max_concurrent), info.hash
+    admission = AdmissionLimits(max_concurrent=max_concurrent, **limits)
+    return InferletCore(programs, admission), info.hash
 
 
-def launch(core: InferletCore, corr: int, who: str = "client:1", program: str = "demo") -> str:
-    out = core.handle(ev.LaunchInferlet(corr=corr, requester=who, program=program, input="{}"))
+def launch(
+    core: InferletCore, corr: int, who: str = "client:1", program: str = "demo", user: str = "local"
+) -> str:
+    out = core.handle(
+        ev.LaunchInferlet(corr=corr, requester=who, program=program, input="{}", user=user)
+    )
     launched = out[0][1]
     assert isinstance(launched, ev.InferletLaunched)
     return launched.instance
@@ -271,6 +276,107 @@ class TestSessionsAndChildren:
         launch(core, 2)
         core.stop_all("shutdown")
         assert core.to_kill == [(running, "shutdown")] and core.statistics().queued == 0
+
+
+def refused(core: InferletCore, corr: int, who: str = "client:1", user: str = "local") -> str:
+    """The message of a launch refused for being over a limit."""
+    launched = ev.LaunchInferlet(corr=corr, requester=who, program="demo", input="", user=user)
+    [(dst, failed)] = core.handle(launched)
+    assert dst == who and isinstance(failed, RequestFailed) and failed.corr == corr
+    assert failed.kind == "too_many_inferlets"
+    return failed.message
+
+
+class TestLimits:
+    def test_a_user_over_its_instance_limit_is_refused_and_others_are_not(self) -> None:
+        core, _ = core_with_program(max_concurrent=1, max_per_user=2)
+        first = launch(core, 1, user="ann")
+        launch(core, 2, user="ann")
+        assert "max_inferlets_per_user" in refused(core, 3, user="ann")
+        launch(core, 4, user="bob")
+        assert core.statistics().refused == 1 and core.statistics().queued == 2
+        finish(core, first)
+        launch(core, 5, user="ann")
+
+    def test_queued_instances_count_towards_the_user_limit(self) -> None:
+        core, _ = core_with_program(max_concurrent=1, max_per_user=2)
+        launch(core, 1)
+        queued = launch(core, 2)
+        refused(core, 3)
+        core.handle(ev.TerminateInferlet(corr=4, requester="client:1", instance=queued))
+        launch(core, 5)
+
+    def test_a_parent_over_its_children_limit_is_refused(self) -> None:
+        core, _ = core_with_program(max_concurrent=1, max_children=2)
+        parent = f"inferlet:{launch(core, 1)}"
+        first = launch(core, 2, who=parent)
+        launch(core, 3, who=parent)
+        assert "max_children" in refused(core, 4, who=parent)
+        launch(core, 5)
+        core.handle(ev.TerminateInferlet(corr=6, requester=parent, instance=first))
+        launch(core, 7, who=parent)
+
+    def test_a_detached_child_still_counts_while_its_parent_lives(self) -> None:
+        core, _ = core_with_program(max_children=1)
+        parent = f"inferlet:{launch(core, 1)}"
+        child = launch(core, 2, who=parent)
+        core.handle(ev.DetachInferlet(corr=3, requester=parent, instance=child))
+        refused(core, 4, who=parent)
+
+    def test_children_may_go_only_so_deep(self) -> None:
+        core, _ = core_with_program(max_concurrent=8, max_depth=2)
+        top = launch(core, 1)
+        child = launch(core, 2, who=f"inferlet:{top}")
+        grandchild = launch(core, 3, who=f"inferlet:{child}")
+        assert [core.instances[i].depth for i in (top, child, grandchild)] == [0, 1, 2]
+        message = refused(core, 4, who=f"inferlet:{grandchild}")
+        assert "max_child_depth" in message and grandchild in message
+        launch(core, 5, who=f"inferlet:{child}")
+
+    def test_no_children_at_depth_zero(self) -> None:
+        core, _ = core_with_program(max_depth=0)
+        refused(core, 2, who=f"inferlet:{launch(core, 1)}")
+
+    def test_a_client_is_not_a_parent_whatever_its_name(self) -> None:
+        core, _ = core_with_program(max_concurrent=8, max_depth=0, max_children=1)
+        launch(core, 1, who="client:1")
+        launch(core, 2, who="client:1")
+        launch(core, 3, who="inferlet:gone")
+
+    def test_zero_means_no_limit_for_users_and_children(self) -> None:
+        core, _ = core_with_program(max_concurrent=1, max_per_user=0, max_children=0)
+        parent = f"inferlet:{launch(core, 1)}"
+        for corr in range(2, 40):
+            launch(core, corr, who=parent)
+
+    def test_admission_keeps_within_the_memory_budget(self) -> None:
+        core, _ = core_with_program(max_concurrent=8, memory_cap=100, memory_budget=200)
+        ids = [launch(core, corr) for corr in (1, 2, 3)]
+        assert [i.id for i in core.to_start] == ids[:2]
+        assert core.statistics().queued == 1
+        finish(core, ids[0])
+        assert [i.id for i in core.to_start] == ids
+
+    def test_the_memory_budget_says_queued_at_launch(self) -> None:
+        core, _ = core_with_program(max_concurrent=8, memory_cap=100, memory_budget=100)
+        first = core.handle(ev.LaunchInferlet(corr=1, requester="c", program="demo", input=""))
+        second = core.handle(ev.LaunchInferlet(corr=2, requester="c", program="demo", input=""))
+        assert first[0][1].queued is False and second[0][1].queued is True
+
+    def test_a_stopping_instance_still_holds_its_memory(self) -> None:
+        core, _ = core_with_program(max_concurrent=8, memory_cap=100, memory_budget=100)
+        first = launch(core, 1)
+        second = launch(core, 2)
+        core.handle(ev.TerminateInferlet(corr=3, requester="client:1", instance=first))
+        assert core.instances[second].state == "queued"
+        finish(core, first, status="killed")
+        assert core.instances[second].state == "running"
+
+    def test_no_memory_budget_admits_up_to_max_concurrent(self) -> None:
+        core, _ = core_with_program(max_concurrent=3, memory_cap=100, memory_budget=0)
+        for corr in (1, 2, 3, 4):
+            launch(core, corr)
+        assert core.statistics().running == 3
 
 
 def test_an_unknown_event_is_refused_by_name() -> None:

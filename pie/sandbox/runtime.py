@@ -356,10 +356,24 @@ def _call(
         return _stopped(exc, kill, output.stderr, limits, starting=False)
     if not isinstance(result, Variant):
         # Only an ambiguous result<T, E> comes back as a Variant; `handle`'s ok is a record.
-        return ("failed", None, result) if isinstance(result, str) else ("returned", result, None)
+        if isinstance(result, str):
+            return _failed(result, limits)
+        return "returned", result, None
     if result.tag == "ok":
         return "returned", result.payload, None
-    return "failed", None, result.payload
+    return _failed(result.payload, limits)
+
+
+def _failed(error: Any, limits: SandboxLimits) -> Ended:
+    """A program that returned an error; one whose own error is a caught MemoryError (its
+    memory.grow was refused at the cap) ran out of memory."""
+    if isinstance(error, str) and error.startswith("MemoryError"):
+        return "memory", None, f"{_out_of_memory(limits)}: {error}"
+    return "failed", None, error
+
+
+def _out_of_memory(limits: SandboxLimits) -> str:
+    return f"the program ran out of memory (cap {_amount(limits.memory_bytes)})"
 
 
 def _start(store: Store, component: Component, linker: Linker, name: str) -> ComponentFunc:
@@ -411,8 +425,7 @@ def _stopped(
     text = describe_error(exc) if isinstance(exc, WasmtimeError) else f"{type(exc).__name__}: {exc}"
     said = (str(exc) + stderr.data.decode("utf-8", "replace")).lower()
     if any(marker in said for marker in _OOM_MARKERS):
-        cap = _amount(limits.memory_bytes)
-        return "memory", None, f"the program ran out of memory (cap {cap}): {text}"
+        return "memory", None, f"{_out_of_memory(limits)}: {text}"
     if starting:
         return "failed", None, f"the program could not start: {text}"
     if isinstance(exc, WasmtimeError):

@@ -1,7 +1,9 @@
 """The inferlet actor's pure core: the admission queue and each instance's lifecycle.
 
 `handle(event)` returns the events to send; instances to start and to kill are left in
-`to_start` / `to_kill` for the shell, which owns the threads.
+`to_start` / `to_kill` for the shell, which owns the threads. Launches past a user's, a
+parent's or the family tree's limits are refused (`too_many_inferlets`); admission keeps
+`max_concurrent` and the guests' memory budget.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ class InferletStatistics:
     failed: int
     terminated: int
     programs: int
+    refused: int = 0
+    """Launches refused for being over a limit (too_many_inferlets)."""
+
+
+@frozen(kw_only=True)
+class AdmissionLimits:
+    """How many instances may exist and run ([sandbox] settings); 0 is no limit where noted."""
+
+    max_concurrent: int = 64
+    """Instances running at once."""
+    max_per_user: int = 256
+    """Instances of one user, running and queued together (0: no limit)."""
+    max_children: int = 64
+    """Children one instance may have at once, running and queued (0: no limit)."""
+    max_depth: int = 8
+    """Generations below an instance its client launched (0: no children at all)."""
+    memory_cap: int = 1
+    """The linear memory each running instance may use, reserved at admission."""
+    memory_budget: int = 0
+    """The memory all running instances may reserve together (0: no limit)."""
 
 
 @define
@@ -38,6 +60,8 @@ class Instance:
     program: ProgramInfo
     input: str
     request: ev.IncomingRequest | None = None
+    depth: int = 0
+    """0 for an instance a client launched, its parent's depth + 1 for a child."""
     state: str = "queued"
     detached: bool = False
     inbox: list[ev.SessionInput] = field(factory=list)
@@ -61,15 +85,17 @@ class InferletCore:
     )
     """Commands from launchers, what running guests emit, and the shell's record of their ends."""
 
-    def __init__(self, programs: ProgramRegistry, *, max_concurrent: int) -> None:
+    def __init__(self, programs: ProgramRegistry, limits: AdmissionLimits) -> None:
         self.programs = programs
-        self.max_concurrent = max_concurrent
+        self.limits = limits
         self.instances: dict[str, Instance] = {}
         self.queue: collections.deque[str] = collections.deque()
         self.to_start: list[Instance] = []
         self.to_kill: list[tuple[str, str]] = []
         self._ids = itertools.count(1)
         self._counts = collections.Counter[str]()
+        self._per_user = collections.Counter[str]()
+        self._per_launcher = collections.Counter[str]()
 
     def handle(self, event: Any) -> list[Output]:
         match event:
@@ -92,9 +118,14 @@ class InferletCore:
 
     def _launch(self, event: ev.LaunchInferlet) -> list[Output]:
         try:
-            program = self.programs.resolve(event.program)
+            program = self.programs.resolve(event.program, event.user)
         except ProgramError as err:
             return [(event.requester, _failed(event.corr, "no_such_program", str(err)))]
+        parent = self._parent(event.requester)
+        refusal = self._refusal(event, parent)
+        if refusal is not None:
+            self._counts["refused"] += 1
+            return [(event.requester, _failed(event.corr, "too_many_inferlets", refusal))]
         instance = Instance(
             id=f"i{next(self._ids)}",
             launcher=event.requester,
@@ -102,17 +133,54 @@ class InferletCore:
             program=program.info,
             input=event.input,
             request=event.request,
+            depth=0 if parent is None else parent.depth + 1,
         )
         self.instances[instance.id] = instance
+        self._per_user[instance.user] += 1
+        self._per_launcher[instance.launcher] += 1
         self.queue.append(instance.id)
         self._counts["launched"] += 1
-        queued = self.running >= self.max_concurrent
+        queued = not self._has_room()
         launched = ev.InferletLaunched(corr=event.corr, instance=instance.id, queued=queued)
         return [(event.requester, launched), *self._admit()]
 
+    def _parent(self, requester: str) -> Instance | None:
+        kind, _, name = requester.partition(":")
+        return self.instances.get(name) if kind == "inferlet" else None
+
+    def _refusal(self, event: ev.LaunchInferlet, parent: Instance | None) -> str | None:
+        """Why the launch is over a limit, or None."""
+        limits = self.limits
+        if 0 < limits.max_per_user <= self._per_user[event.user]:
+            return (
+                f"user {event.user!r} already has {limits.max_per_user} inferlets running or "
+                "queued (sandbox.max_inferlets_per_user)"
+            )
+        if parent is None:
+            return None
+        if parent.depth >= limits.max_depth:
+            return (
+                f"inferlet {parent.id} is {parent.depth} launches below its client; children may "
+                f"go {limits.max_depth} deep (sandbox.max_child_depth)"
+            )
+        if 0 < limits.max_children <= self._per_launcher[event.requester]:
+            return (
+                f"inferlet {parent.id} already has {limits.max_children} children running or "
+                "queued (sandbox.max_children)"
+            )
+        return None
+
+    def _has_room(self) -> bool:
+        limits = self.limits
+        running = self.running
+        if running >= limits.max_concurrent:
+            return False
+        reserved = (running + 1) * limits.memory_cap
+        return limits.memory_budget <= 0 or reserved <= limits.memory_budget
+
     def _admit(self) -> list[Output]:
         out: list[Output] = []
-        while self.queue and self.running < self.max_concurrent:
+        while self.queue and self._has_room():
             instance = self.instances[self.queue.popleft()]
             instance.state = "running"
             self.to_start.append(instance)
@@ -185,6 +253,8 @@ class InferletCore:
 
     def _end(self, instance: Instance, end: ev.InferletEnd) -> list[Output]:
         del self.instances[instance.id]
+        _forget(self._per_user, instance.user)
+        _forget(self._per_launcher, instance.launcher)
         self._counts[type(end).__name__] += 1
         out: list[Output] = [(instance.launcher, end)]
         for child in list(self.instances.values()):
@@ -235,7 +305,14 @@ class InferletCore:
             failed=self._counts["InferletFailed"],
             terminated=self._counts["InferletTerminated"],
             programs=len(self.programs),
+            refused=self._counts["refused"],
         )
+
+
+def _forget(counts: collections.Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
 
 
 def _failed(corr: int, kind: str, message: str) -> RequestFailed:

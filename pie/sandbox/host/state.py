@@ -272,6 +272,7 @@ class InstanceState:
         except HostFailure:
             with self._cond:
                 del self.children[child]
+                self._child_by_corr.pop(event.corr, None)
             raise
         assert self.children[child].instance == reply.instance
         return child
