@@ -31,6 +31,10 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+CREDENTIAL_HEADERS = frozenset({b"authorization"})
+"""Where the front end takes a pie token; kept from programs whether or not auth is on (an
+OpenAI client sends its key there either way)."""
+
 END_STATUS = {"timeout": 504, "terminated": 503}
 """How an instance that ended before it responded is answered (anything else: 500)."""
 
@@ -157,7 +161,7 @@ class HttpFront:
             method=scope["method"],
             path=path,
             query=scope.get("query_string", b"").decode("latin-1"),
-            headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+            headers=_forwarded_headers(scope),
             body=body,
         )
         assert self._requester is not None
@@ -254,6 +258,16 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
+
+
+def _forwarded_headers(scope: Scope) -> tuple[tuple[str, str], ...]:
+    """The request's headers as the program gets them: without pie's own credentials (the
+    program learns who called from `runtime.user()`, never from the token)."""
+    return tuple(
+        (name.decode("latin-1"), value.decode("latin-1"))
+        for name, value in scope["headers"]
+        if name not in CREDENTIAL_HEADERS
+    )
 
 
 def _ambiguous_length(scope: Scope) -> bool:

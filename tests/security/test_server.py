@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from pie.drivers.tokenizer import Tokenizer
+from pie.server.auth import UserStore
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
@@ -86,3 +87,30 @@ async def test_a_request_with_both_content_length_and_transfer_encoding_is_refus
     assert b"Content-Length and Transfer-Encoding" in answer
     assert after.status_code == 200 and after.json()["params"] == {"good": "1"}
     assert launched == 1
+
+
+async def test_a_served_program_never_sees_the_callers_pie_token(
+    served: bytes, tokenizer: Tokenizer, components: Path, tmp_path: Path
+) -> None:
+    users = UserStore(tmp_path / "users")
+    token = users.add("alice")
+    assert token is not None
+    credentials = {"authorization": f"Bearer alice:{token}", "x-kept": "yes"}
+    async with http_front(tokenizer, components, {"/s": served}, users=users) as (_, _, client):
+        with trio.fail_after(60):
+            echoed = await client.get("/s/echo", headers=credentials)
+            refused = await client.get("/s/echo", headers={"authorization": "Bearer alice:nope"})
+    assert echoed.status_code == 200
+    assert token not in echoed.text and "authorization" not in echoed.json()["headers"]
+    assert echoed.json()["user"] == "alice" and echoed.json()["headers"]["x-kept"] == "yes"
+    assert refused.status_code == 401
+
+
+async def test_without_authentication_an_authorization_header_is_still_kept_from_programs(
+    served: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    async with http_front(tokenizer, components, {"/s": served}) as (_, _, client):
+        with trio.fail_after(60):
+            echoed = await client.get("/s/echo", headers={"authorization": "Bearer sk-secret"})
+    assert echoed.status_code == 200 and "sk-secret" not in echoed.text
+    assert echoed.json()["user"] == "http"
