@@ -312,6 +312,17 @@ class ServerConfig:
     """Users and their credentials; empty means $PIE_CONFIG_DIR/users or ~/.config/pie/users."""
     max_frame_mb: int = field(default=16, validator=_at_least(1))
     max_program_mb: int = field(default=256, validator=_at_least(1))
+    max_pending_upload_mb: int = field(default=512, validator=_at_least(1))
+    """Bytes the unfinished uploads of one connection may announce, all together."""
+    max_pending_upload_mb_per_user: int = field(default=1024, validator=_at_least(1))
+    """Bytes the unfinished uploads of one user may announce, all connections together."""
+    max_compiles: int = field(default=2, validator=_at_least(1))
+    """Uploaded programs compiled at once; more wait their turn."""
+    max_compiles_per_user: int = field(default=1, validator=_at_least(1))
+    """Of those, how many one user's uploads may take; the user's others wait."""
+    programs_dir: str = ""
+    """Where installed programs and each user's names for them are kept across restarts; empty
+    means `programs` beside the compiled components (see [sandbox] cache_dir)."""
     event_buffer: int = field(default=4096, validator=_at_least(1))
     """Events kept per inferlet for clients that re-attach."""
     send_buffer: int = field(default=8192, validator=_at_least(1))

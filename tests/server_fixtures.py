@@ -54,7 +54,10 @@ async def serving(
     components = PYTEST_CACHE / "pie-components"
     driver = driver or SyntheticDriver(vocab_size=tokenizer.vocab_size)
     config = config or with_overrides(EngineConfig(), sandbox={"cache_dir": str(components)})
-    config = with_overrides(config, server={"host": "127.0.0.1", "port": 0, **server})
+    programs = str(tmp_path / "programs")  # installed programs kept per test, not shared
+    config = with_overrides(
+        config, server={"host": "127.0.0.1", "port": 0, "programs_dir": programs, **server}
+    )
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         server_ = Server(engine, config.server, users=users)
         async with trio.open_nursery() as nursery:

@@ -18,7 +18,7 @@ from pie.events import inferlet as ev
 from pie.server.app import auth_required
 from pie.server.auth import UserStore
 from pie.server.hub import Hub, Refused
-from pie.server.uploads import Uploads, check_hash
+from pie.server.uploads import PendingBytes, Uploads, check_hash
 from pie.wire import messages as msg
 from pie.wire.challenge import sign_nonce
 from tests.server_fixtures import Raw, connect, serving
@@ -153,13 +153,16 @@ def _chunk(data: bytes, index: int, count: int, size: int, digest: str) -> msg.U
 def test_an_upload_in_chunks_reports_progress_then_yields_the_bytes() -> None:
     data = b"\0asm" + bytes(range(200))
     digest = hashlib.sha256(data).hexdigest()
-    uploads = Uploads(max_size=1000)
-    assert uploads.add(_chunk(data[:100], 0, 3, len(data), digest)) == 100
-    assert uploads.add(_chunk(data[100:200], 1, 3, len(data), digest)) == 200
-    done = uploads.add(_chunk(data[200:], 2, 3, len(data), digest))
+    users = PendingBytes(per_user=1000)
+    uploads = Uploads(max_size=1000, max_pending=1000, users=users)
+    assert uploads.add(_chunk(data[:100], 0, 3, len(data), digest), "u") == 100
+    assert uploads.add(_chunk(data[100:200], 1, 3, len(data), digest), "u") == 200
+    done = uploads.add(_chunk(data[200:], 2, 3, len(data), digest), "u")
     assert not isinstance(done, int) and done.wasm == data
     check_hash(done)
-    assert len(uploads) == 0
+    assert users.held("u") == len(data)
+    uploads.installed(done)
+    assert len(uploads) == 0 and users.held("u") == 0
 
 
 @pytest.mark.unit
@@ -168,8 +171,9 @@ def test_an_upload_in_chunks_reports_progress_then_yields_the_bytes() -> None:
     [(1, 4, "bad-upload"), (0, 5000, "too-large"), (0, 3, "bad-upload")],
 )
 def test_a_bad_upload_is_refused_and_forgotten(index: int, size: int, kind: str) -> None:
-    uploads = Uploads(max_size=1000)
+    users = PendingBytes(per_user=1000)
+    uploads = Uploads(max_size=1000, max_pending=1000, users=users)
     with pytest.raises(Refused) as refused:
-        uploads.add(_chunk(b"abcd", index, 1, size, "a" * 64))
+        uploads.add(_chunk(b"abcd", index, 1, size, "a" * 64), "u")
     assert refused.value.kind == kind
-    assert len(uploads) == 0
+    assert len(uploads) == 0 and users.held("u") == 0

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pie.wire.messages import EngineStatus
@@ -39,11 +39,14 @@ class LocalServer:
         *,
         env: Mapping[str, str] | None = None,
         timeout: float = 300.0,
+        args: Sequence[str] = (),
     ) -> LocalServer:
-        """Starts `pie serve` on `model` (default: the configured model), on a free port."""
+        """Starts `pie serve` on `model` (default: the configured model), on a free port, with
+        `args` added to its command line."""
         command = [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
         if model is not None:
             command += ["--model", str(model)]
+        command += args
         process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,

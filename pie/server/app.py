@@ -13,14 +13,15 @@ import trio_websocket
 from attrs import frozen
 
 from pie import __version__
-from pie.actors.inferlet.programs import ProgramError
+from pie.actors.inferlet.programs import NameTaken, ProgramError
 from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import ServerConfig
 from pie.events import inferlet as inf_ev
 from pie.sandbox import InvalidProgram
 from pie.server.hub import Hub, Refused
+from pie.server.installed import InstalledPrograms
 from pie.server.session import Session
-from pie.server.uploads import Upload, check_hash
+from pie.server.uploads import PendingBytes, Upload, check_hash
 from pie.wire import messages as msg
 
 if TYPE_CHECKING:
@@ -80,7 +81,11 @@ class Server:
         self._connection_ids = itertools.count(1)
         self._listening = trio.CancelScope()
         self._stopped = trio.Event()
-        self._compiles = trio.CapacityLimiter(2)
+        self._compiles = trio.CapacityLimiter(config.max_compiles)
+        self._compiles_of: dict[str, trio.CapacityLimiter] = {}
+        self.pending_uploads = PendingBytes(config.max_pending_upload_mb_per_user << 20)
+        programs_dir = config.programs_dir or engine.wasm.cache.directory.parent / "programs"
+        self.installed = InstalledPrograms(Path(programs_dir))
         self._requester: Requester | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -91,6 +96,7 @@ class Server:
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
         try:
+            await trio.to_thread.run_sync(self.installed.restore, self.engine.programs)
             async with self.engine.requester("server") as requester, trio.open_nursery() as nursery:
                 self._requester, self._nursery = requester, nursery
                 listener = await nursery.start(self._listen)
@@ -183,7 +189,7 @@ class Server:
     async def launch(self, session: Session, request: msg.Launch) -> msg.Launched:
         if self.stopping:
             raise Refused("shutting-down", "the server is stopping")
-        info = self._resolve(request.program)
+        info = self._resolve(request.program, session.user)
         assert self._requester is not None and self._nursery is not None
         run = await self._requester.launch(info.hash, request.input, user=session.user)
         self.hub.launched(
@@ -248,26 +254,46 @@ class Server:
 
     # -- programs and statistics ---------------------------------------------------------------
 
-    def _resolve(self, reference: str) -> Any:
+    def _resolve(self, reference: str, user: str) -> Any:
         try:
-            return self.engine.programs.resolve(reference).info
+            return self.engine.programs.resolve(reference, user).info
         except ProgramError as err:
             raise Refused("no-such-program", str(err)) from None
 
-    def find_program(self, corr: int, reference: str) -> msg.ProgramFound:
-        return _found(corr, self._resolve(reference))
+    def find_program(self, corr: int, reference: str, user: str) -> msg.ProgramFound:
+        return _found(corr, self._resolve(reference, user))
 
-    async def install(self, corr: int, upload: Upload) -> msg.ProgramFound:
-        """Checks the hash and compiles the component off the event loop, then adds it."""
-        async with self._compiles:
-            await trio.to_thread.run_sync(self._check_and_compile, upload)
+    async def install(self, corr: int, upload: Upload, user: str) -> msg.ProgramFound:
+        """Checks the name, the hash and compiles the component off the event loop (one user's
+        compiles wait for each other), then adds it to `user`'s names and keeps it on disk."""
+        programs = self.engine.programs
         try:
-            info = self.engine.programs.add(
-                upload.wasm, upload.name, upload.version, digest=upload.hash
+            programs.check_free(upload.name, upload.version, upload.hash, owner=user)
+            limiter = self._compiles_of.setdefault(
+                user, trio.CapacityLimiter(self.config.max_compiles_per_user)
             )
+            async with limiter, self._compiles:
+                await trio.to_thread.run_sync(self._check_and_compile, upload)
+            info = programs.add(
+                upload.wasm, upload.name, upload.version, owner=user, digest=upload.hash
+            )
+        except NameTaken as err:
+            raise Refused("name-taken", str(err)) from None
         except ProgramError as err:
             raise Refused("bad-upload", str(err)) from None
+        finally:
+            self._forget_idle_limiter(user)
+        await trio.to_thread.run_sync(self.installed.record, user, info, upload.wasm)
         return _found(corr, info)
+
+    def _forget_idle_limiter(self, user: str) -> None:
+        limiter = self._compiles_of.get(user)
+        if (
+            limiter is not None
+            and not limiter.borrowed_tokens
+            and not limiter.statistics().tasks_waiting
+        ):
+            del self._compiles_of[user]
 
     def _check_and_compile(self, upload: Upload) -> None:
         check_hash(upload)

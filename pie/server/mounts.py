@@ -1,18 +1,22 @@
 """Which program serves which HTTP path prefix, and getting mounted programs ready: a .wasm
-file or an inferlet folder is installed (a folder built first) when the server starts; a name,
-name@version or hash is resolved at each request, so it may be installed later."""
+file or an inferlet folder is installed (a folder built first) in the shared namespace when the
+server starts; a name or name@version is looked up there once they all are, and every mount
+then names its program by content hash, so no user's upload can take a mount's place."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pie.actors.inferlet.programs import ProgramError
 from pie.build import SDK, cached_build
 from pie.config import HttpConfig, default_cache_dir
 
 if TYPE_CHECKING:
     from pie.engine import Engine
 
+_HASH = re.compile(r"^[0-9a-f]{64}$")
 OPENAI_PREFIX = "/v1"
 OPENAI_SERVER = SDK / "examples" / "openai-server"
 
@@ -39,7 +43,20 @@ def prepare_mounts(engine: Engine, config: HttpConfig) -> Mounts:
     wanted = dict(config.mounts)
     if config.openai:
         wanted.setdefault(OPENAI_PREFIX, str(OPENAI_SERVER))
-    return Mounts({prefix: _install(engine, value) for prefix, value in wanted.items()})
+    installed = {prefix: _install(engine, value) for prefix, value in wanted.items()}
+    return Mounts({prefix: _shared_hash(engine, ref) for prefix, ref in installed.items()})
+
+
+def _shared_hash(engine: Engine, reference: str) -> str:
+    if _HASH.match(reference):
+        return reference  # exact bytes, whoever installs them
+    try:
+        return engine.programs.resolve(reference).info.hash
+    except ProgramError as err:
+        raise ProgramError(
+            f"http.mounts: {err} in the shared namespace (mount a .wasm file or an inferlet "
+            "folder, or a content hash)"
+        ) from None
 
 
 def _install(engine: Engine, value: str) -> str:
@@ -52,6 +69,6 @@ def _install(engine: Engine, value: str) -> str:
     else:
         return value
     wasm = path.read_bytes()
-    info = engine.programs.add(wasm, name=name)
+    info = engine.programs.add(wasm, name=name)  # the operator's: the shared namespace
     engine.wasm.cache.load(wasm, info.hash)
     return info.hash

@@ -32,7 +32,11 @@ class Session:
         self.authenticated = not server.auth_required
         self._auth_failures = 0
         self._nonce: tuple[str, str] | None = None
-        self._uploads = Uploads(server.config.max_program_mb << 20)
+        self._uploads = Uploads(
+            server.config.max_program_mb << 20,
+            max_pending=server.config.max_pending_upload_mb << 20,
+            users=server.pending_uploads,
+        )
         self._outbox, self._outgoing = trio.open_memory_channel[Any](server.config.send_buffer)
         self._close_code = CLOSE_GOING_AWAY
         self._close_reason = "server stopping"
@@ -47,6 +51,7 @@ class Session:
                 self.post(self.server.welcome())
                 await self._read_loop()
                 nursery.cancel_scope.cancel()
+        self._uploads.close()
         with trio.move_on_after(2, shield=True):
             await self.ws.aclose(self._close_code, self._close_reason)
 
@@ -114,7 +119,7 @@ class Session:
                 self._nonce = (request.user, server.new_nonce())
                 return msg.ChallengeIssued(corr=request.corr, nonce=self._nonce[1])
             case msg.QueryProgram():
-                return server.find_program(request.corr, request.program)
+                return server.find_program(request.corr, request.program, self.user)
             case msg.UploadProgram():
                 return await self._upload(request)
             case msg.Launch():
@@ -177,10 +182,13 @@ class Session:
         return False
 
     async def _upload(self, chunk: msg.UploadProgram) -> Any:
-        done = self._uploads.add(chunk)
+        done = self._uploads.add(chunk, self.user)
         if isinstance(done, int):
             return msg.UploadProgress(corr=chunk.corr, received=done)
-        return await self.server.install(chunk.corr, done)
+        try:
+            return await self.server.install(chunk.corr, done, self.user)
+        finally:
+            self._uploads.installed(done)
 
 
 def _check_text(field: str, text: str | None) -> None:

@@ -1,8 +1,10 @@
-"""Program uploads arriving in chunks on one connection: order, size and hash are checked here;
-compiling the finished bytes is the server's job. Pure (no I/O)."""
+"""Program uploads arriving in chunks on one connection: order, size and hash are checked here,
+and the bytes they hold are counted against the connection's and the user's limits until the
+server has installed them (compiling is the server's job). Pure (no I/O)."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import re
 
@@ -28,33 +30,79 @@ class Upload:
 @define
 class _Partial:
     first: UploadProgram
+    user: str
     received: bytearray = field(factory=bytearray)
     next_index: int = 0
+
+
+class PendingBytes:
+    """Announced upload bytes each user holds, all connections together, until each upload
+    fails, is installed or its connection closes."""
+
+    def __init__(self, per_user: int) -> None:
+        self.per_user = per_user
+        self._held = collections.Counter[str]()
+
+    def take(self, user: str, size: int) -> None:
+        if self._held[user] + size > self.per_user:
+            raise Refused(
+                "too-many-uploads",
+                f"{user}'s unfinished uploads would hold {self._held[user] + size} bytes, over "
+                f"{self.per_user}: finish or drop an upload first",
+            )
+        self._held[user] += size
+
+    def give_back(self, user: str, size: int) -> None:
+        self._held[user] -= size
+        if self._held[user] <= 0:
+            del self._held[user]
+
+    def held(self, user: str) -> int:
+        return self._held[user]
 
 
 class Uploads:
     """The uploads in progress on one connection, by announced hash."""
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, *, max_pending: int, users: PendingBytes) -> None:
         self.max_size = max_size
-        self._partial: dict[str, _Partial] = {}
+        self.max_pending = max_pending
+        self.users = users
+        self._held: dict[str, _Partial] = {}
+        """Uploads still arriving, and finished ones until `installed`."""
 
-    def add(self, chunk: UploadProgram) -> int | Upload:
-        """Bytes received so far, or the finished upload after its last chunk.
+    def add(self, chunk: UploadProgram, user: str) -> int | Upload:
+        """Bytes received so far, or the finished upload after its last chunk; call
+        `installed` when done with it.
 
-        Raises Refused (bad-upload, too-large, hash-mismatch); a failed upload is forgotten.
+        Raises Refused (bad-upload, too-large, too-many-uploads, hash-mismatch); a failed
+        upload is forgotten.
         """
         try:
-            return self._add(chunk)
+            return self._add(chunk, user)
         except Refused:
-            self._partial.pop(chunk.hash, None)
+            self._drop(chunk.hash)
             raise
 
-    def _add(self, chunk: UploadProgram) -> int | Upload:
+    def installed(self, upload: Upload) -> None:
+        """The server is done with `upload`: its bytes stop counting."""
+        self._drop(upload.hash)
+
+    def close(self) -> None:
+        """The connection is gone: nothing it held counts any more."""
+        for digest in list(self._held):
+            self._drop(digest)
+
+    @property
+    def pending(self) -> int:
+        return sum(partial.first.size for partial in self._held.values())
+
+    def _add(self, chunk: UploadProgram, user: str) -> int | Upload:
         if chunk.index == 0:
+            self._drop(chunk.hash)
             _check_announcement(chunk, self.max_size)
-            self._partial[chunk.hash] = _Partial(first=chunk)
-        partial = self._partial.get(chunk.hash)
+            self._reserve(chunk, user)
+        partial = self._held.get(chunk.hash)
         if partial is None:
             raise Refused("bad-upload", f"chunk {chunk.index} of an upload that never started")
         _check_continues(partial, chunk)
@@ -64,11 +112,25 @@ class Uploads:
             raise Refused("bad-upload", f"more than the announced {chunk.size} bytes")
         if partial.next_index < chunk.count:
             return len(partial.received)
-        del self._partial[chunk.hash]
         return _finish(partial)
 
+    def _reserve(self, chunk: UploadProgram, user: str) -> None:
+        if self.pending + chunk.size > self.max_pending:
+            raise Refused(
+                "too-many-uploads",
+                f"this connection's unfinished uploads would hold {self.pending + chunk.size} "
+                f"bytes, over {self.max_pending}: finish or drop an upload first",
+            )
+        self.users.take(user, chunk.size)
+        self._held[chunk.hash] = _Partial(first=chunk, user=user)
+
+    def _drop(self, digest: str) -> None:
+        partial = self._held.pop(digest, None)
+        if partial is not None:
+            self.users.give_back(partial.user, partial.first.size)
+
     def __len__(self) -> int:
-        return len(self._partial)
+        return len(self._held)
 
 
 def _check_announcement(chunk: UploadProgram, max_size: int) -> None:

@@ -1,4 +1,5 @@
-"""The program registry: inferlet components by content hash, name and version."""
+"""The program registry: inferlet components by content hash, and the names bound to them in
+each user's own namespace and in the operator's shared one."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ from attrs import frozen
 
 WASM_MAGIC = b"\0asm"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+DEFAULT_VERSION = "0.1.0"
 
 
 class ProgramError(ValueError):
     """A program that cannot be added, or a reference that names no program."""
+
+
+class NameTaken(ProgramError):
+    """A `name@version` already bound to other bytes: a binding is never changed."""
 
 
 @frozen(kw_only=True)
@@ -30,12 +37,19 @@ class Program:
     wasm: bytes
 
 
+Owner = str | None
+"""A user's namespace, or None for the shared one the operator fills at start."""
+
+
 class ProgramRegistry:
-    """Programs added by bytes; looked up by hash, `name` (latest added) or `name@version`."""
+    """Programs added by bytes. A hash finds any program; `name` (latest added) and
+    `name@version` are looked up in the user's own namespace, then in the shared one, so no
+    user can put code under a name another user launches."""
 
     def __init__(self) -> None:
-        self._by_hash: dict[str, Program] = {}
-        self._by_name: dict[str, dict[str, str]] = {}
+        self._wasm: dict[str, bytes] = {}
+        self._names: dict[Owner, dict[str, dict[str, str]]] = {}
+        self._labels: dict[tuple[Owner, str], tuple[str, str]] = {}
 
     def add(
         self,
@@ -43,38 +57,75 @@ class ProgramRegistry:
         name: str | None = None,
         version: str | None = None,
         *,
+        owner: Owner = None,
         digest: str | None = None,
     ) -> ProgramInfo:
-        """Adds a program; `digest`, when the caller has checked it, saves hashing again."""
+        """Binds `name@version` in `owner`'s namespace (None: the shared one) to `wasm`;
+        `digest`, when the caller has checked it, saves hashing again. Raises NameTaken when
+        the name is bound to other bytes."""
         if not wasm.startswith(WASM_MAGIC):
             raise ProgramError("not a WebAssembly binary (it does not start with \\0asm)")
         digest = digest or hashlib.sha256(wasm).hexdigest()
         name = name or f"program-{digest[:12]}"
-        version = version or "0.1.0"
+        version = version or DEFAULT_VERSION
         for label, value in (("name", name), ("version", version)):
             if not _NAME.match(value):
                 raise ProgramError(f"bad program {label} {value!r}: use letters, digits, . _ -")
-        info = ProgramInfo(hash=digest, name=name, version=version, size=len(wasm))
-        self._by_hash.setdefault(digest, Program(info=info, wasm=wasm))
-        versions = self._by_name.setdefault(name, {})
+        self.check_free(name, version, digest, owner=owner)
+        versions = self._names.setdefault(owner, {}).setdefault(name, {})
         versions.pop(version, None)
         versions[version] = digest
-        return info
+        self._wasm.setdefault(digest, wasm)
+        self._labels.setdefault((owner, digest), (name, version))
+        return ProgramInfo(hash=digest, name=name, version=version, size=len(wasm))
 
-    def resolve(self, reference: str) -> Program:
-        """The program a hash, `name` or `name@version` refers to."""
-        if reference in self._by_hash:
-            return self._by_hash[reference]
+    def check_free(self, name: str, version: str, digest: str, *, owner: Owner = None) -> None:
+        """Raises NameTaken when `owner` has `name@version` bound to bytes other than `digest`."""
+        bound = self._names.get(owner, {}).get(name, {}).get(version, digest)
+        if bound != digest:
+            raise NameTaken(
+                f"{name}@{version} is already installed with other bytes ({bound[:12]}); "
+                "install the new program under a new version"
+            )
+
+    def resolve(self, reference: str, user: Owner = None) -> Program:
+        """The program a hash, `name` or `name@version` refers to for `user`."""
+        if _HASH.match(reference) and reference in self._wasm:
+            return self._program(reference, user)
         name, _, version = reference.partition("@")
-        versions = self._by_name.get(name)
-        if versions:
-            digest = versions.get(version) if version else list(versions.values())[-1]
-            if digest is not None:
-                return self._by_hash[digest]
+        for owner in _namespaces(user):
+            versions = self._names.get(owner, {}).get(name)
+            if versions:
+                digest = versions.get(version) if version else list(versions.values())[-1]
+                if digest is not None:
+                    return self._program(digest, owner)
         raise ProgramError(f"no program {reference!r}")
 
-    def list(self) -> list[ProgramInfo]:
-        return [p.info for p in self._by_hash.values()]
+    def list(self, user: Owner = None) -> list[ProgramInfo]:
+        """The named programs `user` sees (its own, then the shared ones)."""
+        return [
+            self._info(digest, name, version)
+            for owner in _namespaces(user)
+            for name, versions in self._names.get(owner, {}).items()
+            for version, digest in versions.items()
+        ]
+
+    def _program(self, digest: str, user: Owner) -> Program:
+        """A program labelled as `user` knows it; another user's names are never shown."""
+        for owner in _namespaces(user):
+            label = self._labels.get((owner, digest))
+            if label is not None:
+                break
+        else:
+            label = (f"program-{digest[:12]}", DEFAULT_VERSION)
+        return Program(info=self._info(digest, *label), wasm=self._wasm[digest])
+
+    def _info(self, digest: str, name: str, version: str) -> ProgramInfo:
+        return ProgramInfo(hash=digest, name=name, version=version, size=len(self._wasm[digest]))
 
     def __len__(self) -> int:
-        return len(self._by_hash)
+        return len(self._wasm)
+
+
+def _namespaces(user: Owner) -> tuple[Owner, ...]:
+    return (None,) if user is None else (user, None)
