@@ -6,6 +6,7 @@ import pytest
 
 from pie.actors.inferlet import InferletCore, ProgramError, ProgramRegistry
 from pie.actors.inferlet.core import AdmissionLimits, InferletStatistics
+from pie.actors.inferlet.programs import NameTaken
 from pie.events import inferlet as ev
 from pie.events.kv import Done, RequestFailed
 
@@ -53,6 +54,23 @@ class TestRegistry:
             programs.add(WASM, name="../etc")
         with pytest.raises(ProgramError, match="no program 'missing'"):
             programs.resolve("missing")
+
+    def test_names_live_in_each_users_namespace_then_the_shared_one(self) -> None:
+        programs = ProgramRegistry()
+        shared = programs.add(WASM, name="tool", version="1.0")
+        mine = programs.add(WASM + b"\x01", name="tool", version="1.0", owner="alice")
+        assert programs.resolve("tool@1.0", "alice").info == mine
+        assert programs.resolve("tool@1.0", "bob").info == shared
+        assert programs.resolve("tool@1.0").info == shared
+        assert programs.resolve(mine.hash, "bob").info.name == f"program-{mine.hash[:12]}"
+
+    def test_a_bound_name_is_never_rebound_to_other_bytes(self) -> None:
+        programs = ProgramRegistry()
+        first = programs.add(WASM, name="tool", version="1.0", owner="alice")
+        with pytest.raises(NameTaken, match="new version"):
+            programs.add(WASM + b"\x01", name="tool", version="1.0", owner="alice")
+        assert programs.add(WASM, name="tool", version="1.0", owner="alice") == first
+        assert programs.resolve("tool", "alice").info == first
 
     def test_a_program_without_a_name_is_named_by_its_hash(self) -> None:
         info = ProgramRegistry().add(WASM)
