@@ -22,6 +22,7 @@ from pie.actors.inferlet.files import (
     Quota,
     Usage,
     measure,
+    unlinked_open,
     user_directory_name,
 )
 from pie.config import EngineConfig, with_overrides
@@ -127,6 +128,41 @@ def test_a_user_directory_over_quota_may_shrink_but_not_grow(tmp_path: Path) -> 
     (data / "more").write_bytes(b"x" * 2 * MIB)
     files.check()
     assert kill.status == "quota" and "may not grow" in (kill.reason or "")
+
+
+@pytest.mark.unit
+def test_files_removed_while_open_are_found_under_their_root(tmp_path: Path) -> None:
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    outside.mkdir()
+    with contextlib.ExitStack() as stack:
+        for directory, name in ((inside, "gone"), (outside, "gone"), (inside, "kept")):
+            file = stack.enter_context(open(directory / name, "wb"))
+            file.write(b"x" * 1000)
+            file.flush()
+        again = stack.enter_context(open(inside / "gone", "rb"))
+        (inside / "gone").unlink()
+        (outside / "gone").unlink()
+        assert again.read(1) == b"x"
+        assert unlinked_open([str(inside)]) == {str(inside): Usage(bytes=1000, files=1)}
+    assert unlinked_open([str(inside)]) == {}
+
+
+@pytest.mark.unit
+def test_the_watcher_counts_a_removed_file_still_held_open(tmp_path: Path) -> None:
+    files, kill, scratch = watched_scratch(tmp_path, Quota(max_bytes=MIB))
+    with open(scratch / "hidden", "wb") as file:
+        (scratch / "hidden").unlink()
+        file.write(b"x" * (MIB // 2))
+        file.flush()
+        files.check()
+        assert not kill.killed
+        file.write(b"x" * MIB)
+        file.flush()
+        assert list(scratch.iterdir()) == []
+        files.check()
+    assert kill.status == "quota"
+    assert kill.reason == "/scratch holds more than its quota of 1 MiB (at least 1.5 MiB)"
 
 
 @frozen

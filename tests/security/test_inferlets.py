@@ -158,3 +158,24 @@ async def test_a_guest_over_its_memory_cap_ends_memory(hostile: Guest) -> None:
         await attack.served()
     assert hoard.status == "memory", hoard
     assert (hoard.error or "").startswith("the program ran out of memory (cap 48 MiB)")
+
+
+async def test_writing_into_an_unlinked_file_counts_against_the_scratch_quota(
+    hostile: Guest, tmp_path: Path
+) -> None:
+    root = tmp_path / "scratch"
+    async with (
+        hostile_engine(
+            hostile, scratch_dir=str(root), scratch_quota_mb=1, files_check_ms=10
+        ) as attack,
+        attack.engine.requester() as client,
+    ):
+        with trio.fail_after(60):
+            run = await client.launch(
+                attack.program, json.dumps({"mode": "unlink", "size": 8 * MIB}), user="mallory"
+            )
+            hidden = await run.outcome()
+            await attack.served()
+    assert hidden.status == "quota", hidden
+    assert (hidden.error or "").startswith("/scratch holds more than its quota of 1 MiB")
+    assert list(root.iterdir()) == []

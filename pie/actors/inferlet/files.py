@@ -1,6 +1,7 @@
 """Inferlets' files on the host: a fresh directory per instance at /scratch, a directory per user
 at /data that outlives the instance, and one engine-wide watcher that stops an instance whose
-directory holds more than its quota (wasmtime's preopens cannot refuse a write, so we measure)."""
+directory holds more than its quota (wasmtime's preopens cannot refuse a write, so we measure,
+counting the files a guest removed but still holds open)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,39 @@ def measure(path: str, stop_over: Quota = NO_LIMIT) -> Usage:
         except OSError:
             continue  # removed by the guest while we looked
     return Usage(bytes=size, files=files)
+
+
+def unlinked_open(roots: Iterable[str]) -> dict[str, Usage]:
+    """What this process holds open under each of `roots` after it was removed: a guest that
+    removes a file it has open may go on writing it, and no walk of the directory sees it. Empty
+    where the system has no /proc/self/fd."""
+    real = {os.path.realpath(root).rstrip(os.sep) + os.sep: root for root in roots}
+    held: dict[str, Usage] = {}
+    seen: set[tuple[int, int]] = set()
+    try:
+        fds = os.listdir(_FDS)
+    except OSError:
+        return held
+    for fd in fds:
+        try:
+            target = os.readlink(f"{_FDS}/{fd}")
+            if not target.endswith(_REMOVED):
+                continue
+            root = next((real[r] for r in real if target.startswith(r)), None)
+            if root is None:
+                continue
+            stat = os.stat(f"{_FDS}/{fd}")
+        except OSError:
+            continue  # closed while we looked
+        if (stat.st_dev, stat.st_ino) not in seen:
+            seen.add((stat.st_dev, stat.st_ino))
+            usage = held.get(root, Usage())
+            held[root] = Usage(bytes=usage.bytes + stat.st_size, files=usage.files + 1)
+    return held
+
+
+_FDS = "/proc/self/fd"
+_REMOVED = " (deleted)"
 
 
 def _size_or_descend(entry: os.DirEntry[str], pending: list[str]) -> int:
@@ -215,8 +249,13 @@ class InstanceFiles:
             for area in areas:
                 if not kill.killed:
                     sharing.setdefault(area.path, []).append((kill, area))
+        hidden = unlinked_open(sharing) if sharing else {}
         for path, users in sharing.items():
             usage = measure(path, widest(area.allowance for _, area in users))
+            if path in hidden:
+                usage = Usage(
+                    bytes=usage.bytes + hidden[path].bytes, files=usage.files + hidden[path].files
+                )
             for kill, area in users:
                 if area.over(usage):
                     kill.kill(area.describe(usage), "quota")
