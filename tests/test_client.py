@@ -242,6 +242,34 @@ def test_submit_uploads_streams_and_prints_the_result_last(
         assert int(rows["driver_threads"]) == server.engine.info.threads
 
 
+def with_custom_section(wasm: bytes, payload: bytes) -> bytes:
+    """The same component with a custom section appended: other bytes, the same program."""
+    name = b"pie-test"
+    body = bytes([len(name)]) + name + payload
+    assert len(body) < 128  # one LEB128 byte for its size
+    return wasm + bytes([0, len(body)]) + body
+
+
+def test_submit_of_a_new_build_under_a_taken_default_name_runs_it_by_hash(
+    tmp_path: Path, relay: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wasm = tmp_path / "relay.wasm"
+    with background_server(tmp_path) as server:
+        for build in (relay, with_custom_section(relay, b"second build")):
+            wasm.write_bytes(build)
+            code = client_cli.run_submit(
+                cli_args("submit", str(wasm), "--input", json.dumps(count(2)), server=server)
+            )
+            out, err = capsys.readouterr()
+            assert code == 0 and out.startswith("01\n")
+        assert "relay@0.1.0 is another build; running this one by its hash" in err
+        # Asked for by name@version, a taken name is refused.
+        code = client_cli.run_submit(
+            cli_args("submit", str(wasm), "--version", "0.1.0", server=server)
+        )
+        assert code != 0 and "name-taken" in capsys.readouterr().err
+
+
 def test_ctrl_c_while_streaming_detaches_and_leaves_it_running(
     tmp_path: Path, relay: bytes, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -49,8 +49,16 @@ def run_submit(args: argparse.Namespace) -> int:
     async def submit(client: Client) -> int:
         bar = _UploadBar()
         try:
-            name = args.name or path.stem
-            info = await client.install(wasm, name=name, version=args.version, progress=bar)
+            name, version = args.name or path.stem, args.version or "0.1.0"
+            try:
+                info = await client.install(wasm, name=name, version=version, progress=bar)
+            except ServerError as err:
+                if err.kind != "name-taken" or args.name or args.version:
+                    raise
+                # The folder's default name is bound to an earlier build: this build is
+                # installed under its own hash and run by it.
+                _note(f"{name}@{version} is another build; running this one by its hash")
+                info = await client.install(wasm, progress=bar)
         finally:
             bar.close()
         inferlet = await client.launch(info.hash, args.input)

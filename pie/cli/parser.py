@@ -77,7 +77,11 @@ def add_client_parsers(commands: Commands) -> None:
     )
     submit.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
     submit.add_argument("--name", help="install under this name (default: the file's stem)")
-    submit.add_argument("--version", default="0.1.0", help="install under this version")
+    submit.add_argument(
+        "--version",
+        help="install under this version (default: 0.1.0; when the default name@version holds "
+        "another build, this one is installed under its hash and run by it)",
+    )
     submit.add_argument("--detach", action="store_true", help="print the instance id and leave")
     listing = commands.add_parser("list", help="your inferlets on a server")
     attach = commands.add_parser("attach", help="stream a running inferlet's output")
