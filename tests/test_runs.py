@@ -40,7 +40,13 @@ def probe(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
 def engine_for(tokenizer: Tokenizer, tmp_path: Path, **scheduler: Any) -> Any:
     config = with_overrides(
         EngineConfig(),
-        sandbox={"cache_dir": str(tmp_path), "max_concurrent": 128},
+        # 128 guests at once: small caps, and a budget that holds them all.
+        sandbox={
+            "cache_dir": str(tmp_path),
+            "max_concurrent": 128,
+            "memory_mb": 64,
+            "guest_memory_mb": 128 * 64,
+        },
         scheduler=scheduler,
         kv={"num_pages": 1024},
     )

@@ -260,7 +260,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine_config(args),
         event_log={"enabled": False},
         scheduler={"max_batch_requests": width, "max_batch_tokens": max(512, 2 * width)},
-        sandbox={"max_concurrent": width},
+        # Every generation admitted at once: text-completion needs a few tens of MiB, so the
+        # caps are small and the guests' memory budget holds all of them.
+        sandbox={"max_concurrent": width, "memory_mb": 64, "guest_memory_mb": width * 64},
     )
     stepped = component_from_source("stepped", STEP_SOURCE)
     programs = {"run": cached_component(TEXT_COMPLETION), "step": stepped, "step-poll": stepped}
