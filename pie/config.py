@@ -333,6 +333,9 @@ class ServerConfig:
     """An ended inferlet's events stay readable by re-attaching for this long."""
     shutdown_seconds: float = 30.0
     """On SIGINT/SIGTERM, running inferlets get this long to finish before they are stopped."""
+    credential_check_seconds: float = field(default=2.0, validator=_positive)
+    """How often the credentials of open connections and streaming HTTP requests are read
+    again: a removed user or a replaced token or key ends them within this."""
 
 
 def _mounts(_: object, attribute: attrs.Attribute[Any], value: dict[str, str]) -> None:

@@ -276,3 +276,34 @@ def test_pie_auth_reports_errors_and_exits_2(
     assert "cannot read public key file" in capsys.readouterr().err
     assert pie_auth("add", "bad/name", "--users-dir", users) == 2
     assert "bad user name" in capsys.readouterr().err
+
+
+# -- revocation ---------------------------------------------------------------------------------
+
+
+def test_a_token_credential_holds_until_the_token_is_replaced(store: UserStore) -> None:
+    token = store.add("ada")
+    assert token
+    credential = store.token_credential("ada", token)
+    assert credential is not None and store.holds(credential)
+    store.add("ada", public_key=ZERO_SEED_KEY, token=False)
+    assert store.holds(credential)
+    store.add("ada")
+    assert not store.holds(credential)
+    assert store.token_credential("ada", "wrong") is None
+
+
+def test_a_key_credential_holds_until_its_key_or_user_is_gone(store: UserStore, key_pair) -> None:
+    private_path, public_text = key_pair
+    store.add("ada", token=False, public_key=public_text)
+    nonce = new_nonce()
+    credential = store.signature_credential("ada", nonce, sign_nonce(private_path, nonce))
+    assert credential is not None and store.holds(credential)
+    path = store.directory / "ada.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "public_keys": [ZERO_SEED_KEY]}))
+    assert not store.holds(credential)
+    path.write_text(json.dumps(record))
+    assert store.holds(credential)
+    store.remove("ada")
+    assert not store.holds(credential)

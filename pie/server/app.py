@@ -20,7 +20,7 @@ from pie.events import inferlet as inf_ev
 from pie.sandbox import InvalidProgram
 from pie.server.hub import Hub, Refused
 from pie.server.installed import InstalledPrograms
-from pie.server.session import Session
+from pie.server.session import CLOSE_POLICY, Session
 from pie.server.uploads import PendingBytes, Upload, check_hash
 from pie.wire import messages as msg
 
@@ -102,6 +102,7 @@ class Server:
                 listener = await nursery.start(self._listen)
                 self.port = listener.port
                 nursery.start_soon(self._sweep_forever)
+                nursery.start_soon(self._check_credentials_forever)
                 task_status.started(self)
                 await self._stopped.wait()
                 nursery.cancel_scope.cancel()
@@ -239,6 +240,26 @@ class Server:
             await self._requester.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
         except RequestRefused:  # it ended meanwhile
             pass
+
+    async def _check_credentials_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.credential_check_seconds)
+            self.check_credentials()
+
+    def check_credentials(self) -> None:
+        """Closes the connections whose user was removed or whose token or key was replaced;
+        their inferlets are left as any disconnected client's are (the orphan rule)."""
+        if self.users is None:
+            return
+        verdicts: dict[Any, bool] = {}
+        for session in list(self.sessions.values()):
+            credential = session.credential
+            if credential is None:
+                continue
+            if credential not in verdicts:
+                verdicts[credential] = self.users.holds(credential)
+            if not verdicts[credential]:
+                session.close(CLOSE_POLICY, f"the credentials of {credential.user!r} were revoked")
 
     async def _sweep_forever(self) -> None:
         while True:

@@ -79,6 +79,16 @@ def fingerprint(key_line: str) -> str:
     return f"{kind} SHA256:{digest}"
 
 
+@frozen(kw_only=True)
+class Credential:
+    """What a connection or request proved: `user`'s token (by its hash) or one of its keys.
+    Held while the connection lives so that revoking it can be noticed (`UserStore.holds`)."""
+
+    user: str
+    token_sha256: str | None = None
+    key: str | None = None
+
+
 # -- the store ----------------------------------------------------------------------------------
 
 
@@ -177,22 +187,46 @@ class UserStore:
 
     def check_token(self, name: str, token: str) -> bool:
         """Whether `token` is `name`'s; False, never an exception, for unknown users."""
+        return self.token_credential(name, token) is not None
+
+    def token_credential(self, name: str, token: str) -> Credential | None:
+        """The credential `token` proves for `name`, or None (never an exception)."""
         record = self._lookup(name) if isinstance(name, str) else None
         stored = record["token_sha256"] if record else None
         try:
             offered = _hash_token(token)
         except (AttributeError, UnicodeEncodeError):
-            return False
-        return hmac.compare_digest(stored or _NO_TOKEN, offered) and stored is not None
+            return None
+        if hmac.compare_digest(stored or _NO_TOKEN, offered) and stored is not None:
+            return Credential(user=name, token_sha256=offered)
+        return None
 
     def verify_signature(self, name: str, nonce: str, signature_b64: str) -> bool:
         """Whether one of `name`'s keys signed `nonce`; False, never an exception, otherwise."""
+        return self.signature_credential(name, nonce, signature_b64) is not None
+
+    def signature_credential(self, name: str, nonce: str, signature_b64: str) -> Credential | None:
+        """The credential (the key) that signed `nonce` for `name`, or None."""
         record = self._lookup(name) if isinstance(name, str) else None
         if record is None:
-            return False
+            return None
         try:
             data = nonce.encode()
             signature = base64.b64decode(signature_b64, validate=True)
         except (AttributeError, TypeError, ValueError):
+            return None
+        for line in record["public_keys"]:
+            if verify_signature(line, data, signature):
+                return Credential(user=name, key=line)
+        return None
+
+    def holds(self, credential: Credential) -> bool:
+        """Whether `credential` still lets its user in: False once the user is removed, its
+        token replaced or the key taken away (an unreadable user file counts as revoked)."""
+        record = self._lookup(credential.user)
+        if record is None:
             return False
-        return any(verify_signature(line, data, signature) for line in record["public_keys"])
+        if credential.token_sha256 is not None:
+            stored = record["token_sha256"] or _NO_TOKEN
+            return hmac.compare_digest(stored, credential.token_sha256)
+        return credential.key in record["public_keys"]

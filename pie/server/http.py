@@ -23,7 +23,7 @@ from pie.server.mounts import Mounts
 
 if TYPE_CHECKING:
     from pie.engine import Engine
-    from pie.server.auth import UserStore
+    from pie.server.auth import Credential, UserStore
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,14 @@ class HttpFront:
         *,
         host: str,
         users: UserStore | None = None,
+        credential_check_seconds: float = 2.0,
     ) -> None:
         self.engine = engine
         self.config = config
         self.mounts = mounts
         self.host = host
         self.users = users
+        self.credential_check_seconds = credential_check_seconds
         self.port = 0
         self._stopping = trio.Event()
         self._requester: Requester | None = None
@@ -145,10 +147,11 @@ class HttpFront:
             await _error(send, 404, f"nothing is mounted at {scope['path']}", "not_found")
             return
         program, path = found
-        user = self._user(scope)
-        if user is None:
+        caller = self._caller(scope)
+        if caller is None:
             await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "unauthenticated")
             return
+        user, credential = caller
         try:
             body = await _read_body(receive, self._body_limit)
         except _ClientGone:
@@ -170,12 +173,17 @@ class HttpFront:
         except RequestRefused as err:
             await _error(send, 502, err.message, err.kind)
             return
-        await self._relay(run, receive, send)
+        await self._relay(run, receive, send, credential)
 
-    async def _relay(self, run: InferletRun, receive: Receive, send: Send) -> None:
-        """Streams the instance's response; a client that goes away terminates the instance."""
+    async def _relay(
+        self, run: InferletRun, receive: Receive, send: Send, credential: Credential | None
+    ) -> None:
+        """Streams the instance's response; a client that goes away, or whose credentials are
+        revoked meanwhile, terminates the instance."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_on_disconnect, receive, run, nursery.cancel_scope)
+            if credential is not None:
+                nursery.start_soon(self._on_revocation, credential, run, nursery.cancel_scope)
             await self._stream(run, send)
             nursery.cancel_scope.cancel()
 
@@ -206,14 +214,26 @@ class HttpFront:
                         self._failed += 1
                     await _end(send, event, started)
 
-    def _user(self, scope: Scope) -> str | None:
+    async def _on_revocation(
+        self, credential: Credential, run: InferletRun, scope: trio.CancelScope
+    ) -> None:
+        assert self.users is not None
+        while self.users.holds(credential):
+            await trio.sleep(self.credential_check_seconds)
+        log.info("HTTP request of %r ended: its credentials were revoked", credential.user)
+        await _terminate(run)
+        scope.cancel()
+
+    def _caller(self, scope: Scope) -> tuple[str, Credential | None] | None:
+        """Who the request runs for, and the credential it proved (None without auth)."""
         if self.users is None:
-            return self.config.user
+            return self.config.user, None
         for name, value in scope["headers"]:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 user, _, token = value[7:].decode("latin-1").strip().partition(":")
-                if token and self.users.check_token(user, token):
-                    return user
+                credential = self.users.token_credential(user, token) if token else None
+                if credential is not None:
+                    return user, credential
         return None
 
 
@@ -232,11 +252,15 @@ async def _end(send: Send, end: Any, started: bool) -> None:
 async def _on_disconnect(receive: Receive, run: InferletRun, scope: trio.CancelScope) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+    await _terminate(run)
+    scope.cancel()
+
+
+async def _terminate(run: InferletRun) -> None:
     try:
         await run.terminate()
     except RequestRefused:  # it ended meanwhile
         pass
-    scope.cancel()
 
 
 class _ClientGone(Exception):

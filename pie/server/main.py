@@ -52,6 +52,7 @@ async def _start_http(
         mounts,
         host=config.http.host or config.server.host,
         users=server.users if server.auth_required else None,
+        credential_check_seconds=config.server.credential_check_seconds,
     )
     await nursery.start(front.run)
     return front

@@ -9,6 +9,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from pie.actors.requester import RequestRefused
+from pie.server.auth import Credential
 from pie.server.bus import BusAccess
 from pie.server.hub import Refused
 from pie.server.uploads import Uploads
@@ -30,6 +31,8 @@ class Session:
         self.connection = connection
         self.user = "local"
         self.authenticated = not server.auth_required
+        self.credential: Credential | None = None
+        """What this connection authenticated with, read again now and then (revocation)."""
         self._auth_failures = 0
         self._nonce: tuple[str, str] | None = None
         self._uploads = Uploads(
@@ -159,27 +162,29 @@ class Session:
             self.post(event)
 
     def _authenticate(self, request: msg.Authenticate) -> Any:
-        if self.server.auth_required and not self._credentials_hold(request):
+        credential = self._credential(request)
+        if self.server.auth_required and credential is None:
             self._auth_failures += 1
             if self._auth_failures >= MAX_AUTH_FAILURES:
                 self.close(CLOSE_POLICY, "too many failed authentications")
             raise Refused("unauthenticated", f"credentials for {request.user!r} do not check out")
         self.user, self.authenticated = request.user, True
+        self.credential = credential
         return msg.Authenticated(corr=request.corr, user=request.user)
 
-    def _credentials_hold(self, request: msg.Authenticate) -> bool:
+    def _credential(self, request: msg.Authenticate) -> Credential | None:
         users = self.server.users
-        if users is None:
-            return False
+        if users is None or not self.server.auth_required:
+            return None
         if request.token is not None:
-            return users.check_token(request.user, request.token)
+            return users.token_credential(request.user, request.token)
         if request.signature is not None and self._nonce is not None:
             user, nonce = self._nonce
             self._nonce = None  # one signature per challenge
-            return user == request.user and users.verify_signature(
-                request.user, nonce, request.signature
-            )
-        return False
+            if user != request.user:
+                return None
+            return users.signature_credential(request.user, nonce, request.signature)
+        return None
 
     async def _upload(self, chunk: msg.UploadProgram) -> Any:
         done = self._uploads.add(chunk, self.user)

@@ -4,18 +4,22 @@ correctly afterwards."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
+from trio_websocket import ConnectionClosed
 
 from pie.drivers.tokenizer import Tokenizer
 from pie.server.auth import UserStore
+from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import http_front
+from tests.server_fixtures import Raw, connect, http_front, serving
 
 pytestmark = pytest.mark.security
 
@@ -23,6 +27,11 @@ pytestmark = pytest.mark.security
 @pytest.fixture(scope="module")
 def served(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
     return built(GUESTS / "served").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def relay(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
+    return built(GUESTS / "relay").read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +123,76 @@ async def test_without_authentication_an_authorization_header_is_still_kept_from
             echoed = await client.get("/s/echo", headers={"authorization": "Bearer sk-secret"})
     assert echoed.status_code == 200 and "sk-secret" not in echoed.text
     assert echoed.json()["user"] == "http"
+
+
+async def test_a_revoked_users_streaming_request_ends_and_others_are_served(
+    served: bytes, tokenizer: Tokenizer, components: Path, tmp_path: Path
+) -> None:
+    users = UserStore(tmp_path / "users")
+    alice, bob = users.add("alice"), users.add("bob")
+    async with http_front(tokenizer, components, {"/s": served}, users=users) as (
+        engine,
+        front,
+        client,
+    ):
+        front.credential_check_seconds = 0.05
+        with trio.fail_after(60):
+            headers = {"authorization": f"Bearer alice:{alice}"}
+            async with client.stream("GET", "/s/wait", headers=headers) as reply:
+                lines = reply.aiter_lines()
+                assert await lines.__anext__() == "waiting"
+                users.remove("alice")
+                # The response is cut short: the client sees a body that never ended.
+                with trio.fail_after(5), pytest.raises(httpx.RemoteProtocolError):
+                    await lines.__anext__()
+            while engine.statistics().inferlets.running:
+                await trio.sleep(0.02)
+            again = await client.get("/s/echo", headers=headers)
+            served_bob = await client.get("/s/echo", headers={"authorization": f"Bearer bob:{bob}"})
+    assert engine.statistics().inferlets.terminated == 1
+    assert again.status_code == 401
+    assert served_bob.status_code == 200 and served_bob.json()["user"] == "bob"
+
+
+# -- WebSocket sessions -----------------------------------------------------------------------
+
+
+async def test_revoking_a_user_or_replacing_a_token_closes_their_connections(
+    tmp_path: Path, relay: bytes
+) -> None:
+    users = UserStore(tmp_path / "users")
+    ada, bob = users.add("ada"), users.add("bob")
+    assert ada is not None and bob is not None
+    config = {"auth": "on", "users": users, "credential_check_seconds": 0.05}
+    async with serving(tmp_path, **config) as server:
+        server.engine.programs.add(relay, "relay")
+        with trio.fail_after(60):
+            async with await connect(server.url) as ada_ws, await connect(server.url) as bob_ws:
+                ada_raw, bob_raw = Raw(ada_ws), Raw(bob_ws)
+                for raw, user, token in ((ada_raw, "ada", ada), (bob_raw, "bob", bob)):
+                    await raw.next()
+                    await raw.call(msg.Authenticate, user=user, token=token)
+                request = json.dumps({"mode": "relay"})
+                launched = await ada_raw.call(msg.Launch, program="relay", input=request)
+                users.remove("ada")
+                with trio.fail_after(5), pytest.raises(ConnectionClosed) as closed:
+                    while True:
+                        await ada_raw.next()
+                listing = await bob_raw.call(msg.ListInferlets)
+                # Ada's inferlet is left as any disconnected client's: running, detached.
+                tracked = server.hub.tracked[launched.instance]
+                assert tracked.live and not tracked.attached
+                bob = users.add("bob")
+                assert bob is not None
+                with trio.fail_after(5), pytest.raises(ConnectionClosed) as rotated:
+                    while True:
+                        await bob_raw.next()
+            async with await connect(server.url) as ws:
+                raw = Raw(ws)
+                await raw.next()
+                welcome = await raw.call(msg.Authenticate, user="bob", token=bob)
+                assert isinstance(welcome, msg.Authenticated)
+                assert isinstance(await raw.call(msg.ListInferlets), msg.InferletList)
+    assert closed.value.reason.code == 1008 and "revoked" in (closed.value.reason.reason or "")
+    assert rotated.value.reason.code == 1008
+    assert isinstance(listing, msg.InferletList)
