@@ -336,6 +336,9 @@ class ServerConfig:
     credential_check_seconds: float = field(default=2.0, validator=_positive)
     """How often the credentials of open connections and streaming HTTP requests are read
     again: a removed user or a replaced token or key ends them within this."""
+    login_seconds: float = field(default=10.0, validator=_positive)
+    """When authentication is required, a connection not authenticated this long after it
+    opened is closed (1008)."""
 
 
 def _mounts(_: object, attribute: attrs.Attribute[Any], value: dict[str, str]) -> None:

@@ -51,12 +51,20 @@ class Session:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write_loop)
                 await nursery.start(self._bus.run)
+                if not self.authenticated:
+                    nursery.start_soon(self._login_deadline)
                 self.post(self.server.welcome())
                 await self._read_loop()
                 nursery.cancel_scope.cancel()
         self._uploads.close()
         with trio.move_on_after(2, shield=True):
             await self.ws.aclose(self._close_code, self._close_reason)
+
+    async def _login_deadline(self) -> None:
+        seconds = self.server.config.login_seconds
+        await trio.sleep(seconds)
+        if not self.authenticated:
+            self.close(CLOSE_POLICY, f"not authenticated within {seconds:g} s")
 
     def post(self, message: Any) -> None:
         """Queues a frame; a full outbox means the client does not keep up, and it goes."""

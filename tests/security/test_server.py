@@ -196,3 +196,25 @@ async def test_revoking_a_user_or_replacing_a_token_closes_their_connections(
     assert closed.value.reason.code == 1008 and "revoked" in (closed.value.reason.reason or "")
     assert rotated.value.reason.code == 1008
     assert isinstance(listing, msg.InferletList)
+
+
+async def test_a_connection_that_never_authenticates_is_closed_after_the_login_deadline(
+    tmp_path: Path,
+) -> None:
+    users = UserStore(tmp_path / "users")
+    token = users.add("ada")
+    assert token is not None
+    async with serving(tmp_path, auth="on", users=users, login_seconds=0.2) as server:
+        with trio.fail_after(30):
+            async with await connect(server.url) as good_ws, await connect(server.url) as idle:
+                good = Raw(good_ws)
+                await good.next()
+                await good.call(msg.Authenticate, user="ada", token=token)
+                await Raw(idle).next()
+                with trio.fail_after(5), pytest.raises(ConnectionClosed) as closed:
+                    await idle.get_message()
+                # The good client's deadline has passed too; it is served.
+                listing = await good.call(msg.ListInferlets)
+    assert closed.value.reason.code == 1008
+    assert "not authenticated within 0.2 s" in (closed.value.reason.reason or "")
+    assert isinstance(listing, msg.InferletList)
