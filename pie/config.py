@@ -366,6 +366,9 @@ class HttpConfig:
     """Mount the bundled `openai-server` inferlet at /v1 (the OpenAI-compatible API)."""
     max_body_mb: float = 16.0
     """Larger request bodies are answered 413."""
+    openai_max_body_kb: int = field(default=1024, validator=_at_least(1))
+    """Larger bodies sent to the OpenAI-compatible API (with `openai`) are answered 400 with
+    an OpenAI error (`request_too_large`) before any instance runs."""
     user: str = "http"
     """The user requests run for when the server needs no authentication."""
 

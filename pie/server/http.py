@@ -19,7 +19,7 @@ from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import HttpConfig
 from pie.events import inferlet as ev
 from pie.sandbox.host.serving import is_final_status
-from pie.server.mounts import Mounts
+from pie.server.mounts import OPENAI_PREFIX, Mounts
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -34,6 +34,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 CREDENTIAL_HEADERS = frozenset({b"authorization"})
 """Where the front end takes a pie token; kept from programs whether or not auth is on (an
 OpenAI client sends its key there either way)."""
+
+MAX_ERROR_CHARS = 1000
 
 END_STATUS = {"timeout": 504, "terminated": 503}
 """How an instance that ended before it responded is answered (anything else: 500)."""
@@ -152,13 +154,14 @@ class HttpFront:
             await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "unauthenticated")
             return
         user, credential = caller
+        openai = self.config.openai and scope["path"].startswith(OPENAI_PREFIX + "/")
+        limit = min(self._body_limit, self.config.openai_max_body_kb << 10 if openai else 1 << 62)
         try:
-            body = await _read_body(receive, self._body_limit)
+            body = await _read_body(receive, limit)
         except _ClientGone:
             return
         if body is None:
-            limit = f"{self.config.max_body_mb:g} MiB"
-            await _error(send, 413, f"the request body is over {limit}", "too_large")
+            await self._too_large(send, openai)
             return
         request = ev.IncomingRequest(
             method=scope["method"],
@@ -174,6 +177,16 @@ class HttpFront:
             await _error(send, 502, err.message, err.kind)
             return
         await self._relay(run, receive, send, credential)
+
+    async def _too_large(self, send: Send, openai: bool) -> None:
+        if openai:
+            # Refused before any tokens are counted or any instance runs, as the API does it.
+            limit = f"{self.config.openai_max_body_kb} KiB"
+            message = f"the request body is over {limit}: shorten the messages or the input"
+            await _error(send, 400, message, "invalid_request_error", code="request_too_large")
+        else:
+            limit = f"{self.config.max_body_mb:g} MiB"
+            await _error(send, 413, f"the request body is over {limit}", "too_large")
 
     async def _relay(
         self, run: InferletRun, receive: Receive, send: Send, credential: Credential | None
@@ -246,7 +259,17 @@ async def _end(send: Send, end: Any, started: bool) -> None:
         return
     outcome = ev.outcome_of(end)
     status = END_STATUS.get(outcome.status, 500)
-    await _error(send, status, outcome.error or outcome.status, f"inferlet_{outcome.status}")
+    if outcome.error:
+        log.warning("an HTTP-served instance %s: %s", outcome.status, outcome.error)
+    message = _public_error(outcome.error) or outcome.status
+    await _error(send, status, message, f"inferlet_{outcome.status}")
+
+
+def _public_error(error: str | None) -> str:
+    """What a client may see of an instance's error: its first line (for a Python guest, the
+    exception and its message), never the traceback after it, which stays in the log."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    return lines[0][:MAX_ERROR_CHARS] if lines else ""
 
 
 async def _on_disconnect(receive: Receive, run: InferletRun, scope: trio.CancelScope) -> None:
@@ -299,8 +322,18 @@ def _ambiguous_length(scope: Scope) -> bool:
     return b"transfer-encoding" in names and b"content-length" in names
 
 
-async def _error(send: Send, status: int, message: str, kind: str, *, close: bool = False) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind}}).encode()
+async def _error(
+    send: Send,
+    status: int,
+    message: str,
+    kind: str,
+    *,
+    code: str | None = None,
+    close: bool = False,
+) -> None:
+    """An error in the shape the OpenAI API uses, so that its clients read every refusal."""
+    error = {"message": message, "type": kind, "param": None, "code": code or kind}
+    body = json.dumps({"error": error}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))

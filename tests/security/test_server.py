@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 import trio
 from trio_websocket import ConnectionClosed
 
 from pie.drivers.tokenizer import Tokenizer
 from pie.server.auth import UserStore
+from pie.server.mounts import OPENAI_PREFIX, OPENAI_SERVER
 from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
@@ -218,3 +221,86 @@ async def test_a_connection_that_never_authenticates_is_closed_after_the_login_d
     assert closed.value.reason.code == 1008
     assert "not authenticated within 0.2 s" in (closed.value.reason.reason or "")
     assert isinstance(listing, msg.InferletList)
+
+
+async def test_a_crashing_program_s_caller_gets_no_traceback(
+    served: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    async with http_front(tokenizer, components, {"/s": served}) as (_, _, client):
+        with trio.fail_after(60):
+            crash = await client.get("/s/crash")
+            after = await client.get("/s/echo")
+    error = crash.json()["error"]
+    assert crash.status_code == 500 and error["message"] == "RuntimeError: handler crashed"
+    assert "Traceback" not in crash.text and "File " not in crash.text
+    assert set(error) == {"message", "type", "param", "code"}
+    assert after.status_code == 200
+
+
+# -- the OpenAI endpoint ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_wasm(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
+    return built(OPENAI_SERVER).read_bytes()
+
+
+def _chat(client: openai.OpenAI, model: str, content: str, **extra: Any) -> Any:
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=2,
+        **extra,
+    )
+
+
+async def test_an_oversized_prompt_is_refused_at_once_with_an_openai_error(
+    openai_wasm: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    programs = {OPENAI_PREFIX: openai_wasm}
+    async with http_front(tokenizer, components, programs, openai=True) as (engine, front, raw):
+        client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+        model = engine.info.model_name
+        with trio.fail_after(120):
+            with trio.fail_after(10), pytest.raises(openai.BadRequestError) as huge:
+                await trio.to_thread.run_sync(lambda: _chat(client, model, "x" * (10 << 20)))
+            launched = engine.statistics().inferlets.launched
+            with pytest.raises(openai.BadRequestError) as long:
+                await trio.to_thread.run_sync(lambda: _chat(client, model, "hello " * 40_000))
+            good = await trio.to_thread.run_sync(lambda: _chat(client, model, "Hi"))
+    assert huge.value.code == "request_too_large" and launched == 0
+    assert long.value.code == "context_length_exceeded" and long.value.param == "messages"
+    assert good.choices[0].message.role == "assistant" and good.usage.completion_tokens >= 1
+
+
+async def test_client_errors_are_4xx_openai_errors_and_the_endpoint_serves_on(
+    openai_wasm: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    programs = {OPENAI_PREFIX: openai_wasm}
+    async with http_front(tokenizer, components, programs, openai=True) as (engine, _, client):
+        model = engine.info.model_name
+        user = {"role": "user", "content": "Hi"}
+        bad_bodies = {
+            "stream_options": {"messages": [user], "stream": True, "stream_options": "x"},
+            "messages[0].role": {"messages": [{"role": ["user"], "content": "Hi"}]},
+            "messages": {"messages": "Hi"},
+        }
+        with trio.fail_after(120):
+            replies = {
+                param: await client.post("/v1/chat/completions", json={"model": model, **body})
+                for param, body in bad_bodies.items()
+            }
+            not_json = await client.post("/v1/chat/completions", content=b"{nope")
+            unknown = await client.post("/v1/chat/completions", json={"model": "gpt-x"})
+            good = await client.post(
+                "/v1/chat/completions", json={"model": model, "messages": [user], "max_tokens": 2}
+            )
+    for param, reply in replies.items():
+        assert reply.status_code == 400, (param, reply.text)
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert not_json.status_code == 400 and "Traceback" not in not_json.text
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert good.status_code == 200 and good.json()["choices"][0]["message"]["role"] == "assistant"

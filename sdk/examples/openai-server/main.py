@@ -9,11 +9,22 @@ from typing import Any
 
 import responses
 from inferlet import Context, get_model, runtime, serving
-from inferlet.serving import HttpError, Request
-from params import Params, chat_messages
+from inferlet.serving import HttpError, Request, Response
+from params import ApiError, Params, chat_messages, error_body, prompt_tokens
 
 
 async def handle(request: Request) -> Any:
+    """Client errors come back as the API's error object; anything else fails the instance, and
+    the server answers 500 without the traceback (it logs it)."""
+    try:
+        return await _route(request)
+    except HttpError as error:
+        if serving.streamed():
+            raise
+        return Response.json(error_body(error), error.status)
+
+
+async def _route(request: Request) -> Any:
     route = (request.method, request.path.rstrip("/"))
     model = get_model()
     if route == ("GET", "/models"):
@@ -35,13 +46,16 @@ async def handle(request: Request) -> Any:
 async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
     params = Params.of(body, length_keys=("max_completion_tokens", "max_tokens"))
     with Context(model) as ctx:
-        ctx.fill(model.format_chat(chat_messages(body.get("messages")), True))
+        ctx.fill_tokens(prompt_tokens(model, chat_messages(body.get("messages")), "messages"))
         generation = params.generate(ctx)
         ident = f"chatcmpl-{runtime.instance_id()}"
         if not body.get("stream"):
             text = await generation.collect_text()
             return _completion(ident, model.name, text, generation)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise HttpError(400, "stream_options: an object")
+        include_usage = bool(options.get("include_usage"))
         await _stream_completion(ident, model.name, generation, include_usage)
         return None
 
@@ -113,9 +127,9 @@ def _check_model(requested: Any, served: str) -> None:
         raise ModelNotFound(requested)
 
 
-class ModelNotFound(HttpError):
+class ModelNotFound(ApiError):
     def __init__(self, requested: Any) -> None:
-        super().__init__(404, f"The model `{requested}` does not exist")
+        super().__init__(404, f"The model `{requested}` does not exist", "model_not_found")
 
 
 def _body(request: Request) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from inferlet.serving import HttpError
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_TOKENS = 4096
 DEFAULT_MAX_TOKENS = 256
+MAX_PROMPT_TOKENS = 32768
+"""Prompts are counted before anything runs; a longer one is refused (context_length_exceeded)."""
 
 
 class Params:
@@ -78,10 +80,41 @@ def chat_messages(messages: Any, field: str = "messages") -> list[dict[str, str]
 def _message(message: Any, where: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise HttpError(400, f"{where}: a message is an object with role and content")
-    role = ROLES.get(message.get("role"))  # type: ignore[arg-type]
+    given = message.get("role")
+    role = ROLES.get(given) if isinstance(given, str) else None
     if role is None:
         raise HttpError(400, f"{where}.role: one of {', '.join(ROLES)}")
     return {"role": role, "content": text_of(message.get("content"), f"{where}.content")}
+
+
+def prompt_tokens(model: Any, messages: list[dict[str, str]], field: str) -> list[int]:
+    """The chat prompt's tokens, counted before any pass runs."""
+    tokens = model.encode(model.format_chat(messages, True))
+    if len(tokens) > MAX_PROMPT_TOKENS:
+        raise ApiError(
+            400,
+            f"{field}: the prompt is {len(tokens)} tokens, over the {MAX_PROMPT_TOKENS} this"
+            " endpoint takes",
+            code="context_length_exceeded",
+        )
+    return tokens
+
+
+class ApiError(HttpError):
+    """An HttpError that names its OpenAI error code."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(status, message)
+        self.code = code
+
+
+def error_body(error: HttpError) -> dict[str, Any]:
+    """The OpenAI API's error object: `param` is the field the message starts with."""
+    field, sep, _ = error.message.partition(": ")
+    param = field if sep and " " not in field else None
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    code = getattr(error, "code", None)
+    return {"error": {"message": error.message, "type": kind, "param": param, "code": code}}
 
 
 def text_of(content: Any, where: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from inferlet import Context, runtime, serving
 from inferlet.serving import HttpError
-from params import Params, chat_messages
+from params import Params, chat_messages, prompt_tokens
 
 
 async def create(model: Any, body: dict[str, Any]) -> Any:
@@ -16,7 +16,7 @@ async def create(model: Any, body: dict[str, Any]) -> Any:
     messages = _input_messages(body)
     ident = runtime.instance_id()
     with Context(model) as ctx:
-        ctx.fill(model.format_chat(messages, True))
+        ctx.fill_tokens(prompt_tokens(model, messages, "input"))
         generation = params.generate(ctx)
         shell = _Shell(ident, model.name, body)
         if not body.get("stream"):
