@@ -13,12 +13,15 @@ import httpx
 import openai
 import pytest
 import trio
-from trio_websocket import ConnectionClosed
+from trio_websocket import ConnectionClosed, open_websocket_url
 
 from pie.drivers.tokenizer import Tokenizer
+from pie.events import inferlet as ev
+from pie.sandbox.host import session as session_host
 from pie.server.auth import UserStore
 from pie.server.mounts import OPENAI_PREFIX, OPENAI_SERVER
 from pie.wire import messages as msg
+from pie.wire.frames import DEFAULT_MAX_FRAME, encode_frame
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
@@ -304,3 +307,43 @@ async def test_client_errors_are_4xx_openai_errors_and_the_endpoint_serves_on(
     assert not_json.status_code == 400 and "Traceback" not in not_json.text
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+# -- session output -----------------------------------------------------------------------------
+
+
+async def _flood(raw: Raw, **request: Any) -> list[Any]:
+    """What the client receives of a `flood` run: its session messages, then its end."""
+    launched = await raw.call(msg.Launch, program="relay", input=json.dumps(request))
+    events = await raw.until_end(launched.instance)
+    return [e.event.text or e.event.data for e in events if hasattr(e.event, "text")]
+
+
+async def test_a_message_over_the_clients_frame_limit_once_encoded_is_refused_to_the_inferlet(
+    tmp_path: Path, relay: bytes
+) -> None:
+    async with serving(tmp_path) as server:
+        server.engine.programs.add(relay, "relay")
+        with trio.fail_after(120):
+            # The client's own limit, as pie.client sets it.
+            ws_open = open_websocket_url(server.url, max_message_size=DEFAULT_MAX_FRAME)
+            async with ws_open as ws:
+                raw = Raw(ws)
+                await raw.next()
+                controls = await _flood(raw, mode="flood", size=4 << 20, char="\x01")
+                fits = await _flood(raw, mode="flood", size=1 << 20, char="\x01")
+    assert controls == ["refused: too-large"]
+    assert fits == ["\x01" * (1 << 20), "sent"]
+
+
+def test_the_session_limit_counts_a_message_as_its_frame_holds_it() -> None:
+    assert session_host.MAX_FRAME_BYTES == DEFAULT_MAX_FRAME
+    for message in ("plain", '\x01\n"é😀', bytes(range(256)), b"", b"x" * 1000):
+        key = "text" if isinstance(message, str) else "data"
+        event = ev.SessionMessage(instance="i1", **{key: message})
+        frame = encode_frame(msg.InferletEvent(instance="i1", seq=1, event=event))
+        framed = frame.split(f'"{key}":', 1)[1]
+        assert framed.startswith(json.dumps(message) if key == "text" else '"')
+        assert session_host.encoded_size(message) <= len(framed)
+    big = bytes(13 << 20)  # base64 makes it over 17 MiB
+    assert session_host.encoded_size(big) > session_host.MAX_MESSAGE_BYTES

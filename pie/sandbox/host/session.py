@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from wasmtime.component import LinkerInstance
@@ -12,13 +13,32 @@ from pie.sandbox.wasm import add_host_func
 
 INTERFACE = "pie:inferlet/session@0.1.0"
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""The protocol's frame limit (pie.wire.frames.DEFAULT_MAX_FRAME), which clients enforce."""
+ENVELOPE_BYTES = 4096
+"""Room in the frame for what wraps the message (its instance, sequence number and type)."""
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES - ENVELOPE_BYTES
+"""A message's size as the client receives it: JSON text (escapes included) or base64."""
+
+
+def encoded_size(message: str | bytes) -> int:
+    """The bytes `message` takes in a frame: a JSON string (a control or non-ASCII character
+    is a 6- or 12-byte escape) or base64 for bytes."""
+    if isinstance(message, str):
+        return len(json.dumps(message))
+    return 4 * ((len(message) + 2) // 3) + 2
 
 
 def send(message: Any) -> None:
     state = current()
-    if len(message) > MAX_MESSAGE_BYTES:
-        raise HostFailure("invalid", f"message of {len(message)} bytes is over the limit")
+    # The raw length first, so an obviously large message costs no encoding.
+    size = len(message) if len(message) > MAX_MESSAGE_BYTES else encoded_size(message)
+    if size > MAX_MESSAGE_BYTES:
+        raise HostFailure(
+            "too-large",
+            f"a message of {len(message)} bytes takes {size} or more bytes in the client's frame,"
+            f" over the {MAX_MESSAGE_BYTES} it holds (escapes and base64 count)",
+        )
     if isinstance(message, str):
         event = ev.SessionMessage(instance=state.instance, text=message)
     else:

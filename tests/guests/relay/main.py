@@ -16,6 +16,16 @@ async def main(input: dict[str, Any]) -> Any:
             count += 1
             session.send(f"{count}:{message}")
         return count
+    if mode == "flood":
+        # Sends one large message, then says how that went.
+        size = int(input["size"])
+        message: str | bytes = bytes(size) if input.get("bytes") else input["char"] * size
+        try:
+            session.send(message)
+            session.send("sent")
+        except HostError as err:
+            session.send(f"refused: {err.kind}")
+        return "flooded"
     if mode == "count":
         for n in range(int(input["n"])):
             session.send(str(n))
