@@ -325,6 +325,12 @@ class ServerConfig:
     means `programs` beside the compiled components (see [sandbox] cache_dir)."""
     event_buffer: int = field(default=4096, validator=_at_least(1))
     """Events kept per inferlet for clients that re-attach."""
+    event_buffer_mb: float = field(default=32.0, validator=_positive)
+    """Bytes of those events kept per inferlet (messages count their text or data); the oldest
+    go first, the final event always stays."""
+    event_buffer_user_mb: float = field(default=128.0, validator=_positive)
+    """Bytes of buffered events kept for one user across all their inferlets, ended ones
+    included, until `retain_seconds` forgets them."""
     send_buffer: int = field(default=8192, validator=_at_least(1))
     """Frames queued for one connection before it counts as too slow and is closed."""
     orphan_seconds: float = 600.0

@@ -177,3 +177,28 @@ def test_a_bad_upload_is_refused_and_forgotten(index: int, size: int, kind: str)
         uploads.add(_chunk(b"abcd", index, 1, size, "a" * 64), "u")
     assert refused.value.kind == kind
     assert len(uploads) == 0 and users.held("u") == 0
+
+
+@pytest.mark.unit
+def test_the_hub_bounds_buffered_bytes_per_inferlet_and_per_user() -> None:
+    hub = Hub(event_buffer_bytes=3000, user_buffer_bytes=5000)
+    for instance in ("i1", "i2"):
+        hub.launched(instance, user="u", program="p", connection=1, queued=False)
+    hub.launched("i3", user="other", program="p", connection=1, queued=False)
+    for n in range(10):
+        hub.record(ev.SessionMessage(instance="i1", text=str(n) * 1000), now=0)
+    assert [m.event.text[0] for m in hub.tracked["i1"].events] == ["8", "9"]
+    for _ in range(3):
+        hub.record(ev.SessionMessage(instance="i2", data=bytes(1000)), now=0)
+    hub.record(ev.SessionMessage(instance="i3", text="x" * 2000), now=0)
+    big = ev.InferletReturned(instance="i2", result="r" * 4000, seconds=1)
+    hub.record(big, now=1)
+    # The user's older buffers went first; each inferlet keeps its newest event.
+    assert [m.event for m in hub.attach(2, "u", "i2", after=0)] == [big]
+    assert len(hub.tracked["i1"].events) == 1
+    assert (
+        hub.user_bytes["u"] == hub.tracked["i1"].buffered_bytes + hub.tracked["i2"].buffered_bytes
+    )
+    assert len(hub.tracked["i3"].events) == 1  # another user's buffer is untouched
+    hub.due(now=1000)
+    assert hub.user_bytes["u"] == hub.tracked["i1"].buffered_bytes

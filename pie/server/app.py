@@ -72,6 +72,8 @@ class Server:
         self.users = users
         self.hub = Hub(
             event_buffer=config.event_buffer,
+            event_buffer_bytes=int(config.event_buffer_mb * (1 << 20)),
+            user_buffer_bytes=int(config.event_buffer_user_mb * (1 << 20)),
             orphan_seconds=config.orphan_seconds,
             retain_seconds=config.retain_seconds,
         )

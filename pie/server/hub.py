@@ -34,6 +34,8 @@ class Tracked:
     events: collections.deque[InferletEvent] = field(factory=collections.deque)
     next_seq: int = 1
     attached: set[int] = field(factory=set)
+    buffered_bytes: int = 0
+    """What `events` holds, by `event_bytes`."""
     alone_since: float | None = None
     """When the last attached connection went; None while one is attached."""
     ended_at: float | None = None
@@ -57,10 +59,16 @@ class Hub:
         self,
         *,
         event_buffer: int = 4096,
+        event_buffer_bytes: int = 32 << 20,
+        user_buffer_bytes: int = 128 << 20,
         orphan_seconds: float = 600.0,
         retain_seconds: float = 600.0,
     ) -> None:
         self.event_buffer = event_buffer
+        self.event_buffer_bytes = event_buffer_bytes
+        self.user_buffer_bytes = user_buffer_bytes
+        self.user_bytes: collections.Counter[str] = collections.Counter()
+        """Bytes of buffered events per user, across their inferlets."""
         self.orphan_seconds = orphan_seconds
         self.retain_seconds = retain_seconds
         self.tracked: dict[str, Tracked] = {}
@@ -81,15 +89,36 @@ class Hub:
             return []
         message = InferletEvent(instance=tracked.instance, seq=tracked.next_seq, event=event)
         tracked.next_seq += 1
-        tracked.events.append(message)
-        if len(tracked.events) > self.event_buffer:
-            tracked.events.popleft()
+        self._buffer(tracked, message)
         if isinstance(event, ev.InferletStarted) and tracked.state == "queued":
             tracked.state = "running"
         elif isinstance(event, ev.InferletEnd):
             tracked.state = "ended"
             tracked.ended_at = now
         return [(connection, message) for connection in tracked.attached]
+
+    def _buffer(self, tracked: Tracked, message: InferletEvent) -> None:
+        """Keeps `message`, dropping the oldest events of the inferlet, then of its user's
+        others, past the bounds; an inferlet's newest event (so its final one) always stays."""
+        tracked.events.append(message)
+        tracked.buffered_bytes += event_bytes(message.event)
+        self.user_bytes[tracked.user] += event_bytes(message.event)
+        while len(tracked.events) > 1 and (
+            len(tracked.events) > self.event_buffer
+            or tracked.buffered_bytes > self.event_buffer_bytes
+        ):
+            self._drop_oldest(tracked)
+        if self.user_bytes[tracked.user] > self.user_buffer_bytes:
+            for other in [t for t in self.tracked.values() if t.user == tracked.user]:
+                while (
+                    self.user_bytes[other.user] > self.user_buffer_bytes and len(other.events) > 1
+                ):
+                    self._drop_oldest(other)
+
+    def _drop_oldest(self, tracked: Tracked) -> None:
+        size = event_bytes(tracked.events.popleft().event)
+        tracked.buffered_bytes -= size
+        self.user_bytes[tracked.user] -= size
 
     def owned(self, user: str, instance: str) -> Tracked:
         """The tracked inferlet, if `user` owns it; raises Refused otherwise."""
@@ -141,6 +170,7 @@ class Hub:
                 assert tracked.ended_at is not None
                 if now - tracked.ended_at >= self.retain_seconds:
                     del self.tracked[tracked.instance]
+                    self.user_bytes[tracked.user] -= tracked.buffered_bytes
             elif _alone_for(tracked, now) >= self.orphan_seconds and tracked.state != "stopping":
                 tracked.state = "stopping"
                 orphans.append(tracked.instance)
@@ -151,6 +181,15 @@ class Hub:
 
     def live_instances(self) -> list[str]:
         return [t.instance for t in self.tracked.values() if t.live]
+
+
+EVENT_OVERHEAD_BYTES = 256
+
+
+def event_bytes(event: Any) -> int:
+    """About what a buffered event holds: its payload, if any, and a fixed overhead."""
+    payloads = (getattr(event, name, None) for name in ("text", "data", "result", "error"))
+    return EVENT_OVERHEAD_BYTES + sum(len(p) for p in payloads if isinstance(p, str | bytes))
 
 
 def _alone_for(tracked: Tracked, now: float) -> float:
