@@ -61,6 +61,7 @@ class HttpFront:
         host: str,
         users: UserStore | None = None,
         credential_check_seconds: float = 2.0,
+        shutdown_seconds: float = 30.0,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -68,6 +69,8 @@ class HttpFront:
         self.host = host
         self.users = users
         self.credential_check_seconds = credential_check_seconds
+        self.shutdown_seconds = shutdown_seconds
+        """After `stop`, how long requests in flight may go on ([server] shutdown_seconds)."""
         self.port = 0
         self._stopping = trio.Event()
         self._requester: Requester | None = None
@@ -87,7 +90,7 @@ class HttpFront:
         host = f"[{self.host}]" if ":" in self.host else self.host
         settings.bind = [f"{host}:{self.config.port}"]
         settings.accesslog = None
-        settings.graceful_timeout = 5.0
+        settings.graceful_timeout = self.shutdown_seconds
         async with self.engine.requester("http-front") as requester, trio.open_nursery() as nursery:
             self._requester = requester
             binds = await nursery.start(self._serve, settings)

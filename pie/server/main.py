@@ -53,6 +53,7 @@ async def _start_http(
         host=config.http.host or config.server.host,
         users=server.users if server.auth_required else None,
         credential_check_seconds=config.server.credential_check_seconds,
+        shutdown_seconds=config.server.shutdown_seconds,
     )
     await nursery.start(front.run)
     return front

@@ -5,6 +5,8 @@ correctly afterwards."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from pie.client.local import LocalServer
 from pie.drivers.tokenizer import Tokenizer
 from pie.events import inferlet as ev
 from pie.sandbox.host import session as session_host
@@ -25,7 +28,7 @@ from pie.wire.frames import DEFAULT_MAX_FRAME, encode_frame
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import Raw, connect, http_front, serving
+from tests.server_fixtures import PYTEST_CACHE, Raw, connect, http_front, serving
 
 pytestmark = pytest.mark.security
 
@@ -347,3 +350,43 @@ def test_the_session_limit_counts_a_message_as_its_frame_holds_it() -> None:
         assert session_host.encoded_size(message) <= len(framed)
     big = bytes(13 << 20)  # base64 makes it over 17 MiB
     assert session_host.encoded_size(big) > session_host.MAX_MESSAGE_BYTES
+
+
+# -- shutdown -----------------------------------------------------------------------------------
+
+
+async def test_sigterm_lets_an_http_response_in_flight_go_on_for_shutdown_seconds(
+    tmp_path: Path,
+    built: Callable[[Path], Path],  # noqa: F811
+    default_model_dir: Path,  # noqa: F811
+) -> None:
+    grace = 8.0
+    config = tmp_path / "pie.toml"
+    config.write_text(
+        f'[sandbox]\ncache_dir = "{PYTEST_CACHE / "pie-components"}"\n'
+        f"[server]\nshutdown_seconds = {grace}\n"
+    )
+    mount = f"/s={built(GUESTS / 'served')}"
+    args = ["--config", str(config), "--http", "0", "--mount", mount]
+    server = await trio.to_thread.run_sync(lambda: LocalServer.start(default_model_dir, args=args))
+    try:
+        url = re.search(r"(http://\S+)/s serves", server.log_tail(50))
+        assert url is not None, server.log_tail()
+        with trio.fail_after(120):
+            async with (
+                httpx.AsyncClient(base_url=url[1], timeout=60) as client,
+                client.stream("GET", "/s/wait") as reply,
+            ):
+                lines = reply.aiter_lines()
+                assert await lines.__anext__() == "waiting"
+                server.process.send_signal(signal.SIGTERM)
+                signalled = trio.current_time()
+                # The instance never finishes: the response is cut when the grace is over.
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await lines.__anext__()
+                lasted = trio.current_time() - signalled
+            code = await trio.to_thread.run_sync(server.process.wait)
+    finally:
+        server.kill()
+    assert grace - 0.5 <= lasted < grace + 10, lasted
+    assert code == 0
