@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import itertools
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +18,15 @@ from pie.actors.inferlet.programs import NameTaken, ProgramError
 from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import ServerConfig
 from pie.events import inferlet as inf_ev
+from pie.events import kv as kv_ev
 from pie.sandbox import InvalidProgram
 from pie.server.hub import Hub, Refused
 from pie.server.installed import InstalledPrograms
 from pie.server.session import CLOSE_POLICY, Session
 from pie.server.uploads import PendingBytes, Upload, check_hash
 from pie.wire import messages as msg
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -244,9 +248,22 @@ class Server:
             pass
 
     async def _check_credentials_forever(self) -> None:
+        known = self.users.names() if self.users is not None else set()
         while True:
             await trio.sleep(self.config.credential_check_seconds)
             self.check_credentials()
+            if self.users is not None:
+                now = self.users.names()
+                for user in sorted(known - now):
+                    await self.forget_user(user)
+                known = now
+
+    async def forget_user(self, user: str) -> None:
+        """A removed user's named snapshots are deleted and their pages freed (their
+        connections are closed by `check_credentials`)."""
+        assert self._requester is not None
+        log.info("user %r was removed: deleting their snapshots", user)
+        await self._requester.call("kv", kv_ev.DropSnapshots, user=user)
 
     def check_credentials(self) -> None:
         """Closes the connections whose user was removed or whose token or key was replaced;

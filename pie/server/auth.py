@@ -163,10 +163,13 @@ class UserStore:
 
     def list(self) -> list[UserRecord]:
         """Every user, sorted by name."""
+        return [self._record(name) for name in sorted(self.names())]
+
+    def names(self) -> set[str]:
+        """The name of every user (files only listed, none read)."""
         if not self.directory.is_dir():
-            return []
-        names = sorted(p.stem for p in self.directory.glob("*.json") if _NAME_RE.fullmatch(p.stem))
-        return [self._record(name) for name in names]
+            return set()
+        return {p.stem for p in self.directory.glob("*.json") if _NAME_RE.fullmatch(p.stem)}
 
     def _record(self, name: str) -> UserRecord:
         raw = self._read(name)

@@ -17,6 +17,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from pie.actors.requester import RequestRefused
 from pie.client.local import LocalServer
 from pie.drivers.tokenizer import Tokenizer
 from pie.events import inferlet as ev
@@ -390,3 +391,33 @@ async def test_sigterm_lets_an_http_response_in_flight_go_on_for_shutdown_second
         server.kill()
     assert grace - 0.5 <= lasted < grace + 10, lasted
     assert code == 0
+
+
+async def test_removing_a_user_deletes_their_snapshots_and_frees_their_pages(
+    tmp_path: Path,
+) -> None:
+    users = UserStore(tmp_path / "users")
+    assert users.add("ada") is not None and users.add("bob") is not None
+    config = {"auth": "on", "users": users, "credential_check_seconds": 0.05}
+    async with serving(tmp_path, **config) as server:
+        engine = server.engine
+        with trio.fail_after(30):
+            async with engine.requester() as r:
+                for user in ("ada", "bob"):
+                    context = await r.create_context(user=user)
+                    await r.forward(context, list(range(40)))
+                    await r.save(context, "kept", user=user)
+                    await r.destroy(context)
+                held = engine.statistics().kv
+                users.remove("ada")
+                while engine.statistics().kv.snapshots == held.snapshots:
+                    await trio.sleep(0.01)
+                with pytest.raises(RequestRefused) as gone:
+                    await r.open("kept", user="ada")
+                kept = await r.open("kept", user="bob")
+                assert await r.describe(kept)
+                await r.destroy(kept)
+            after = engine.statistics().kv
+    assert gone.value.kind == "no_such_snapshot"
+    assert after.snapshots == held.snapshots - 1
+    assert after.pages_free > held.pages_free
