@@ -76,6 +76,7 @@ async def http_front(
     programs: dict[str, bytes],
     *,
     users: Any = None,
+    num_pages: int = 4096,
     **http: Any,
 ) -> AsyncIterator[tuple[Any, HttpFront, Any]]:
     """An engine serving `programs` ({prefix: wasm}) over HTTP on a free port, and an httpx
@@ -83,7 +84,7 @@ async def http_front(
     import httpx
 
     config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(components)})
-    driver = SyntheticDriver(vocab_size=tokenizer.vocab_size)
+    driver = SyntheticDriver(vocab_size=tokenizer.vocab_size, num_pages=num_pages)
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         mounts = {
             p: engine.programs.add(w, name=p.strip("/").replace("/", "-") or "root").hash

@@ -281,6 +281,26 @@ async def test_an_oversized_prompt_is_refused_at_once_with_an_openai_error(
     assert good.choices[0].message.role == "assistant" and good.usage.completion_tokens >= 1
 
 
+async def test_a_prompt_the_kv_cache_can_never_hold_is_a_400_not_a_500(
+    openai_wasm: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    # 64 pages of 16 tokens: an instance may hold half of them (kv.inferlet_page_share).
+    programs = {OPENAI_PREFIX: openai_wasm}
+    front_of = http_front(tokenizer, components, programs, openai=True, num_pages=64)
+    async with front_of as (engine, front, _):
+        client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+        model = engine.info.model_name
+        with trio.fail_after(120):
+            with pytest.raises(openai.BadRequestError) as long:
+                await trio.to_thread.run_sync(lambda: _chat(client, model, "hello " * 700))
+            good = await trio.to_thread.run_sync(lambda: _chat(client, model, "Hi"))
+        stats = engine.statistics().kv
+    assert long.value.status_code == 400 and long.value.code == "context_length_exceeded"
+    assert "Traceback" not in str(long.value.body)
+    assert good.choices[0].message.role == "assistant"
+    assert stats.pages_free == stats.pages_total
+
+
 async def test_client_errors_are_4xx_openai_errors_and_the_endpoint_serves_on(
     openai_wasm: bytes, tokenizer: Tokenizer, components: Path
 ) -> None:

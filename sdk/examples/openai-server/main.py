@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import responses
-from inferlet import Context, get_model, runtime, serving
+from inferlet import Context, HostError, get_model, runtime, serving
 from inferlet.serving import HttpError, Request, Response
 from params import ApiError, Params, chat_messages, error_body, prompt_tokens
 
@@ -22,6 +22,21 @@ async def handle(request: Request) -> Any:
         if serving.streamed():
             raise
         return Response.json(error_body(error), error.status)
+    except HostError as error:
+        refused = _refusal(error)
+        if refused is None or serving.streamed():
+            raise
+        return Response.json(error_body(refused), refused.status)
+
+
+def _refusal(error: HostError) -> ApiError | None:
+    """What the engine's refusal means to an API client: a prompt that can never fit is the
+    client's error (400); a full KV cache is the server's, for now (503)."""
+    if error.kind == "too-large":
+        return ApiError(400, f"messages: {error.message}", code="context_length_exceeded")
+    if error.kind == "out-of-pages":
+        return ApiError(503, f"the server is out of KV cache: {error.message}", code="overloaded")
+    return None
 
 
 async def _route(request: Request) -> Any:
