@@ -77,13 +77,15 @@ async def http_front(
     *,
     users: Any = None,
     num_pages: int = 4096,
+    sandbox: dict[str, Any] | None = None,
     **http: Any,
 ) -> AsyncIterator[tuple[Any, HttpFront, Any]]:
     """An engine serving `programs` ({prefix: wasm}) over HTTP on a free port, and an httpx
-    client for it; keyword arguments override [http] keys."""
+    client for it; keyword arguments override [http] keys, `sandbox` [sandbox] keys."""
     import httpx
 
-    config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(components)})
+    sandbox = {"cache_dir": str(components), **(sandbox or {})}
+    config = with_overrides(EngineConfig(), sandbox=sandbox)
     driver = SyntheticDriver(vocab_size=tokenizer.vocab_size, num_pages=num_pages)
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         mounts = {

@@ -38,6 +38,8 @@ OpenAI client sends its key there either way)."""
 MAX_ERROR_CHARS = 1000
 
 END_STATUS = {"timeout": 504, "terminated": 503}
+LAUNCH_REFUSED = {"too_many_inferlets": 429, "no_such_program": 404}
+"""The status of a launch the engine refused, by kind (anything else: 502)."""
 """How an instance that ended before it responded is answered (anything else: 500)."""
 
 
@@ -177,7 +179,7 @@ class HttpFront:
         try:
             run = await self._requester.launch(program, "", user=user, request=request)
         except RequestRefused as err:
-            await _error(send, 502, err.message, err.kind)
+            await _error(send, LAUNCH_REFUSED.get(err.kind, 502), err.message, err.kind)
             return
         await self._relay(run, receive, send, credential)
 

@@ -441,3 +441,25 @@ async def test_removing_a_user_deletes_their_snapshots_and_frees_their_pages(
     assert gone.value.kind == "no_such_snapshot"
     assert after.snapshots == held.snapshots - 1
     assert after.pages_free > held.pages_free
+
+
+async def test_a_user_over_their_inferlet_limit_gets_429_and_is_served_once_under_it(
+    served: bytes, tokenizer: Tokenizer, components: Path
+) -> None:
+    limit = {"max_inferlets_per_user": 1}
+    front_of = http_front(tokenizer, components, {"/s": served}, sandbox=limit)
+    async with front_of as (engine, _, client):
+        with trio.fail_after(60):
+            async with client.stream("GET", "/s/wait") as waiting:
+                assert waiting.status_code == 200
+                over = await client.get("/s/echo")
+            # The waiting request's instance ends once its caller has gone.
+            while engine.statistics().inferlets.running:
+                await trio.sleep(0.01)
+            under = await client.get("/s/echo")
+        refused = engine.statistics().inferlets.refused
+    assert over.status_code == 429
+    assert over.json()["error"]["code"] == "too_many_inferlets"
+    assert "max_inferlets_per_user" in over.json()["error"]["message"]
+    assert under.status_code == 200 and under.json()["path"] == "/echo"
+    assert refused == 1
