@@ -87,6 +87,10 @@ class KvConfig:
     """Of the pool, the pages all contexts of one user may hold; past it, out-of-pages."""
     snapshot_page_share: float = field(default=0.25, validator=_share)
     """Of the pool, the pages one user's named snapshots may hold; past it, snapshot-quota."""
+    snapshots_dir: str = ""
+    """Where named snapshots are kept so that they survive a restart or a kill (each user's
+    records, rebuilt at start); empty keeps them in memory only. `pie serve` sets it, when
+    empty, to `snapshots` beside the compiled components (see [sandbox] cache_dir)."""
 
 
 @frozen(kw_only=True)

@@ -19,10 +19,18 @@ from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics,
 from pie.actors.inferlet.core import AdmissionLimits
 from pie.actors.inferlet.files import FileLayout, Quota
 from pie.actors.kv import KvCore, KvStatistics, OutputLimits, Quotas
+from pie.actors.kv.actor import KvActor
+from pie.actors.kv.durable import SnapshotStore
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
-from pie.config import EngineConfig, NetworkConfig, SandboxConfig, default_cache_dir
+from pie.config import (
+    EngineConfig,
+    NetworkConfig,
+    SandboxConfig,
+    default_cache_dir,
+    with_overrides,
+)
 from pie.dataplane import (
     BatchFormer,
     BatchPolicy,
@@ -90,7 +98,7 @@ class Engine:
             ),
             decode_tokens=config.scheduler.decode_tokens,
         )
-        self.kv = CoreActor(
+        self.kv = KvActor(
             KvCore(
                 num_pages=self.info.num_pages,
                 page_size=self.info.page_size,
@@ -102,8 +110,8 @@ class Engine:
                     max_values=config.scheduler.max_probe_values,
                 ),
             ),
-            "kv",
             self.router,
+            SnapshotStore(Path(config.kv.snapshots_dir)) if config.kv.snapshots_dir else None,
         )
         self.policy = policy
         depth = config.scheduler.speculation_depth
@@ -171,6 +179,9 @@ class Engine:
         )
         for actor in (*actors, self.inferlets):
             await self._nursery.start(actor.run)
+        if self.kv.store is not None:
+            async with self.requester("kv:recovery") as requester:
+                await self.kv.recover(requester)
 
     @contextlib.asynccontextmanager
     async def requester(self, name: str | None = None) -> AsyncIterator[Requester]:
@@ -258,6 +269,15 @@ async def open_engine(
             await engine._drain(drain_seconds)
             engine._close()
             nursery.cancel_scope.cancel()
+
+
+def with_snapshots_dir(config: EngineConfig) -> EngineConfig:
+    """`config` keeping named snapshots on disk: an empty [kv] snapshots_dir becomes
+    `snapshots` beside the compiled components, as `pie serve` runs."""
+    if config.kv.snapshots_dir:
+        return config
+    components = Path(config.sandbox.cache_dir or default_cache_dir() / "components")
+    return with_overrides(config, kv={"snapshots_dir": str(components.parent / "snapshots")})
 
 
 def _quotas(config: EngineConfig, num_pages: int) -> Quotas:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import trio
 
 from pie.config import EngineConfig
-from pie.engine import Engine, open_engine
+from pie.engine import Engine, open_engine, with_snapshots_dir
 from pie.server.app import Server
 from pie.server.http import HttpFront
 from pie.server.mounts import prepare_mounts
@@ -22,7 +22,7 @@ async def serve(
     announce: Callable[[Server], None] | None = None,
     announce_http: Callable[[HttpFront], None] | None = None,
 ) -> None:
-    async with open_engine(config) as engine:
+    async with open_engine(with_snapshots_dir(config)) as engine:
         server = Server(engine, config.server)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:

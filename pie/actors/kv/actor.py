@@ -1,0 +1,112 @@
+"""The kv actor's shell: the pure core's replies, held back until the named snapshots they
+change are kept on disk (when a store is given), and the rebuilding of kept snapshots at start."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from pie.actors.kv.core import KvCore
+from pie.actors.kv.durable import SnapshotRecord, SnapshotStore
+from pie.actors.requester import Requester, RequestRefused
+from pie.actors.runtime import CoreActor, Router
+from pie.events import kv as ev
+
+log = logging.getLogger(__name__)
+
+Outputs = list[tuple[str, Any]]
+
+
+class KvActor(CoreActor):
+    """Without a store, the core's replies go out as they are: snapshots live until the process
+    ends. With one, a save is answered after its record is fsync'd, and a delete, a take or a
+    drop after its records are gone."""
+
+    core: KvCore
+
+    def __init__(self, core: KvCore, router: Router, store: SnapshotStore | None = None) -> None:
+        super().__init__(core, "kv", router)
+        self.store = store
+
+    async def handle(self, event: Any) -> None:
+        outputs = self.core.handle(event)
+        if self.store is not None and _succeeded(outputs):
+            outputs = await self._keep(self.store, event, outputs)
+        self.emit(outputs)
+
+    async def _keep(self, store: SnapshotStore, event: Any, outputs: Outputs) -> Outputs:
+        match event:
+            case ev.SaveContext(user=user, name=name):
+                record = SnapshotRecord.of(user, name, self.core.snapshots[(user, name)])
+                try:
+                    await trio.to_thread.run_sync(store.write, record)
+                except OSError as exc:
+                    return self._unsave(event, exc)
+            case (
+                ev.DeleteSnapshot(user=user, name=name)
+                | ev.OpenContext(take=True, user=user, name=name)
+            ):
+                await _logged(store.remove, user, name)
+            case ev.DropSnapshots(user=user):
+                await _logged(store.drop, user)
+        return outputs
+
+    def _unsave(self, event: ev.SaveContext, exc: OSError) -> Outputs:
+        """A snapshot that could not be kept is not kept in memory either: a save is answered
+        as done only when the snapshot would survive a restart."""
+        log.error("named snapshots: could not keep %r of %r: %s", event.name, event.user, exc)
+        forget = ev.DeleteSnapshot(
+            corr=event.corr, requester=event.requester, name=event.name, user=event.user
+        )
+        self.core.handle(forget)
+        message = f"the snapshot could not be kept on disk ({exc.strerror or exc})"
+        failed = ev.RequestFailed(corr=event.corr, kind="internal", message=message)
+        return [(event.requester, failed)]
+
+    async def recover(self, requester: Requester) -> int:
+        """Rebuilds every kept snapshot by recomputing its tokens into fresh pages; returns how
+        many. One that cannot be rebuilt (over its user's quotas, tokens this model does not
+        have) is logged and its record kept, for a later start with more room."""
+        if self.store is None:
+            return 0
+        records = await trio.to_thread.run_sync(self.store.read_all)
+        rebuilt = 0
+        for record in records:
+            try:
+                await rebuild(requester, record)
+            except RequestRefused as err:
+                log.warning(
+                    "named snapshots: %r of %r not rebuilt (%s)", record.name, record.user, err
+                )
+            else:
+                rebuilt += 1
+        return rebuilt
+
+
+async def rebuild(requester: Requester, record: SnapshotRecord) -> None:
+    """Saves `record`'s snapshot again: its tokens in one pass at their positions (the scheduler
+    chunks a long one), then its masked pages, on a context destroyed afterwards."""
+    context = await requester.create_context(user=record.user)
+    try:
+        if record.tokens:
+            await requester.forward(context, record.tokens, positions=record.positions)
+        if record.masked:
+            await requester.mask_pages(context, record.masked)
+        await requester.save(context, record.name, user=record.user)
+    finally:
+        await requester.destroy(context)
+
+
+def _succeeded(outputs: Outputs) -> bool:
+    return bool(outputs) and not isinstance(outputs[0][1], ev.RequestFailed)
+
+
+async def _logged(remove: Any, *args: str) -> None:
+    """A record that cannot be removed is logged: the snapshot is gone from memory already (its
+    pages are free), so it comes back only after a restart."""
+    try:
+        await trio.to_thread.run_sync(remove, *args)
+    except OSError as exc:
+        log.error("named snapshots: could not remove the record of %s: %s", args, exc)

@@ -1,0 +1,171 @@
+"""Named snapshots kept on disk so that they outlive the process: one JSON record per snapshot
+holding what rebuilds it (its user, name, tokens, positions and masked pages), each written
+atomically (a temporary file, fsync, rename, fsync of the folder) so a kill leaves the old record
+or the new one, never half of one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from attrs import frozen
+
+from pie.actors.kv.context import Chain
+
+log = logging.getLogger(__name__)
+
+
+@frozen(kw_only=True)
+class SnapshotRecord:
+    """What a snapshot's KV is recomputed from: its tokens, run at their positions, with the
+    recorded pages masked afterwards."""
+
+    user: str
+    name: str
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    masked: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, user: str, name: str, chain: Chain) -> SnapshotRecord:
+        return cls(
+            user=user,
+            name=name,
+            tokens=tuple(chain.tokens),
+            positions=tuple(chain.positions),
+            masked=tuple(sorted(chain.masked)),
+        )
+
+    def encode(self) -> bytes:
+        body = {
+            "user": self.user,
+            "name": self.name,
+            "tokens": list(self.tokens),
+            "positions": list(self.positions),
+            "masked": list(self.masked),
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> SnapshotRecord:
+        """Raises ValueError on anything but a whole, consistent record."""
+        body: Any = json.loads(data)
+        if not isinstance(body, dict) or set(body) != {
+            "user",
+            "name",
+            "tokens",
+            "positions",
+            "masked",
+        }:
+            raise ValueError("not a snapshot record")
+        user, name = body["user"], body["name"]
+        if not isinstance(user, str) or not isinstance(name, str):
+            raise ValueError("the user and the name must be strings")
+        record = cls(
+            user=user,
+            name=name,
+            tokens=_ints(body["tokens"], "tokens"),
+            positions=_ints(body["positions"], "positions"),
+            masked=_ints(body["masked"], "masked"),
+        )
+        if len(record.tokens) != len(record.positions):
+            raise ValueError(f"{len(record.tokens)} tokens but {len(record.positions)} positions")
+        return record
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ValueError(f"{what} must be a list of non-negative integers")
+    return tuple(value)
+
+
+class SnapshotStore:
+    """`<directory>/<digest of the user>/<digest of the name>.json`. Every method reads, writes
+    or fsyncs files: call them off the event loop."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def write(self, record: SnapshotRecord) -> None:
+        """Keeps `record` durably (replacing one of the same user and name); writing the bytes
+        that are there already does nothing."""
+        path = self._path(record.user, record.name)
+        data = record.encode()
+        try:
+            if path.read_bytes() == data:
+                return
+        except FileNotFoundError:
+            pass
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True)
+            _fsync_directory(self.directory)
+        _write_atomically(path, data)
+
+    def remove(self, user: str, name: str) -> None:
+        path = self._path(user, name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        _fsync_directory(path.parent)
+
+    def drop(self, user: str) -> None:
+        """Removes every record of `user`."""
+        folder = self._user_folder(user)
+        if folder.exists():
+            shutil.rmtree(folder)
+            _fsync_directory(self.directory)
+
+    def read_all(self) -> list[SnapshotRecord]:
+        """Every record kept, in a stable order. A damaged record, or one that is not where its
+        user and name put it, is logged and left out; temporary files a kill left are removed."""
+        records = []
+        for path in sorted(self.directory.glob("*/*")):
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                record = SnapshotRecord.decode(path.read_bytes())
+                if self._path(record.user, record.name) != path:
+                    raise ValueError("the record names another user or snapshot")
+            except (OSError, ValueError) as exc:
+                log.warning("named snapshots: %s left out (%s)", path, exc)
+                continue
+            records.append(record)
+        return records
+
+    def _user_folder(self, user: str) -> Path:
+        return self.directory / _digest(user)
+
+    def _path(self, user: str, name: str) -> Path:
+        # Any user or snapshot name works as a file name this way, however it is spelled.
+        return self._user_folder(user) / f"{_digest(name)}.json"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
