@@ -154,6 +154,10 @@ class SandboxConfig:
     max_children: int = field(default=64, validator=_at_least(0))
     """Children one inferlet may have running and queued at once (0: no limit)."""
     max_child_depth: int = field(default=8, validator=_at_least(0))
+    max_running_per_user: int = field(default=0, validator=_at_least(0))
+    """Inferlets of one user running at once; more wait in the admission queue though slots are
+    free (0: up to max_concurrent). A freed slot always goes to the waiting user with the fewest
+    running, so the default lets one user use every idle slot without starving others."""
     """How many generations of children below an inferlet a client launched (0: none)."""
     cache_dir: str = ""
     """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""

@@ -310,6 +310,7 @@ def _admission_limits(sandbox: SandboxConfig) -> AdmissionLimits:
     return AdmissionLimits(
         max_concurrent=sandbox.max_concurrent,
         max_per_user=sandbox.max_inferlets_per_user,
+        max_running_per_user=sandbox.max_running_per_user,
         max_children=sandbox.max_children,
         max_depth=sandbox.max_child_depth,
         memory_cap=sandbox.memory_mb << 20,

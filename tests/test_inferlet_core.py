@@ -397,6 +397,94 @@ class TestLimits:
         assert core.statistics().running == 3
 
 
+def started(core: InferletCore) -> list[str]:
+    """The instances admitted since the last call, in order."""
+    ids = [instance.id for instance in core.to_start]
+    core.to_start.clear()
+    return ids
+
+
+class TestFairAdmission:
+    def test_a_freed_slot_goes_to_the_user_with_the_fewest_running(self) -> None:
+        core, _ = core_with_program(max_concurrent=2)
+        hog = [launch(core, corr, user="hog") for corr in (1, 2, 3, 4)]
+        good = launch(core, 5, user="good")
+        started(core)
+        finish(core, hog[0])
+        assert started(core) == [good]
+        finish(core, hog[1])
+        assert started(core) == [hog[2]]
+
+    def test_users_with_as_many_running_take_turns(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        first = launch(core, 1, user="ann")
+        ann = [launch(core, corr, user="ann") for corr in (2, 3)]
+        bob = [launch(core, corr, user="bob") for corr in (4, 5)]
+        started(core)
+        order, running = [], first
+        for _ in range(4):
+            finish(core, running)
+            [running] = started(core)
+            order.append(running)
+        assert order == [ann[0], bob[0], ann[1], bob[1]]
+
+    def test_one_users_instances_start_in_launch_order(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        ids = [launch(core, corr, user="ann") for corr in (1, 2, 3)]
+        started(core)
+        finish(core, ids[0])
+        assert started(core) == [ids[1]]
+
+    def test_a_user_at_its_running_bound_waits_while_others_start(self) -> None:
+        core, _ = core_with_program(max_concurrent=4, max_running_per_user=2)
+        hog = [launch(core, corr, user="hog") for corr in (1, 2, 3)]
+        assert core.statistics().running == 2 and core.instances[hog[2]].state == "queued"
+        good = core.handle(ev.LaunchInferlet(corr=4, requester="c", program="demo", input=""))
+        assert good[0][1].queued is False
+        assert started(core) == [*hog[:2], good[0][1].instance]
+        finish(core, hog[0])
+        assert started(core) == [hog[2]]
+
+    def test_the_launch_reply_says_queued_for_a_user_at_its_bound(self) -> None:
+        core, _ = core_with_program(max_concurrent=4, max_running_per_user=1)
+        first = core.handle(ev.LaunchInferlet(corr=1, requester="c", program="demo", input=""))
+        second = core.handle(ev.LaunchInferlet(corr=2, requester="c", program="demo", input=""))
+        assert first[0][1].queued is False and second[0][1].queued is True
+
+    def test_a_stopping_instance_still_counts_against_its_user(self) -> None:
+        core, _ = core_with_program(max_concurrent=4, max_running_per_user=1)
+        first = launch(core, 1)
+        second = launch(core, 2)
+        core.handle(ev.TerminateInferlet(corr=3, requester="client:1", instance=first))
+        assert core.instances[second].state == "queued"
+        finish(core, first, status="killed")
+        assert core.instances[second].state == "running"
+
+    def test_a_queued_instance_that_ends_frees_none_of_its_users_running_share(self) -> None:
+        core, _ = core_with_program(max_concurrent=4, max_running_per_user=1)
+        launch(core, 1)
+        queued = launch(core, 2)
+        core.handle(ev.TerminateInferlet(corr=3, requester="client:1", instance=queued))
+        assert core.handle(ev.LaunchInferlet(corr=4, requester="c", program="demo", input=""))[0][
+            1
+        ].queued
+
+    def test_with_no_running_bound_one_user_fills_every_slot(self) -> None:
+        core, _ = core_with_program(max_concurrent=3)
+        for corr in (1, 2, 3, 4):
+            launch(core, corr)
+        assert core.statistics().running == 3 and core.statistics().queued == 1
+
+    def test_the_queue_counts_every_users_waiting_instances(self) -> None:
+        core, _ = core_with_program(max_concurrent=1)
+        launch(core, 1, user="ann")
+        waiting = [launch(core, 2, user="ann"), launch(core, 3, user="bob")]
+        assert core.statistics().queued == 2
+        core.handle(ev.TerminateInferlet(corr=4, requester="client:1", instance=waiting[1]))
+        core.handle(ev.TerminateInferlet(corr=5, requester="client:1", instance=waiting[0]))
+        assert core.statistics().queued == 0 and len(core.queue) == 0
+
+
 def test_an_unknown_event_is_refused_by_name() -> None:
     core, _ = core_with_program()
     with pytest.raises(TypeError, match="unexpected event object"):

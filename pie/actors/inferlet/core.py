@@ -3,13 +3,15 @@
 `handle(event)` returns the events to send; instances to start and to kill are left in
 `to_start` / `to_kill` for the shell, which owns the threads. Launches past a user's, a
 parent's or the family tree's limits are refused (`too_many_inferlets`); admission keeps
-`max_concurrent` and the guests' memory budget.
+`max_concurrent` and the guests' memory budget, and a freed slot goes to the waiting user with
+the fewest running.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 from attrs import define, field, frozen
@@ -42,6 +44,8 @@ class AdmissionLimits:
     """Instances running at once."""
     max_per_user: int = 256
     """Instances of one user, running and queued together (0: no limit)."""
+    max_running_per_user: int = 0
+    """Instances of one user running at once (0: up to max_concurrent)."""
     max_children: int = 64
     """Children one instance may have at once, running and queued (0: no limit)."""
     max_depth: int = 8
@@ -71,6 +75,44 @@ class Instance:
         return f"inferlet:{self.id}"
 
 
+class FairQueue:
+    """Instances waiting for a slot: one FIFO per user, and users take turns."""
+
+    def __init__(self) -> None:
+        # A dict keeps its users in turn order: the one just served goes to the back.
+        self._users: dict[str, collections.deque[str]] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, user: str, instance: str) -> None:
+        self._users.setdefault(user, collections.deque()).append(instance)
+        self._size += 1
+
+    def remove(self, user: str, instance: str) -> None:
+        waiting = self._users[user]
+        waiting.remove(instance)
+        self._size -= 1
+        if not waiting:
+            del self._users[user]
+
+    def next_user(self, running: Mapping[str, int], most: int) -> str | None:
+        """The waiting user with the fewest running (the earliest in turn among equals),
+        skipping those with `most` running already (0: nobody is skipped)."""
+        users = [u for u in self._users if most <= 0 or running.get(u, 0) < most]
+        return min(users, key=lambda u: running.get(u, 0), default=None)
+
+    def pop(self, user: str) -> str:
+        """The user's oldest waiting instance; the user's next turn comes after everyone else's."""
+        waiting = self._users.pop(user)
+        self._size -= 1
+        instance = waiting.popleft()
+        if waiting:
+            self._users[user] = waiting
+        return instance
+
+
 class InferletCore:
     accepts = (
         ev.LaunchInferlet,
@@ -89,12 +131,13 @@ class InferletCore:
         self.programs = programs
         self.limits = limits
         self.instances: dict[str, Instance] = {}
-        self.queue: collections.deque[str] = collections.deque()
+        self.queue = FairQueue()
         self.to_start: list[Instance] = []
         self.to_kill: list[tuple[str, str]] = []
         self._ids = itertools.count(1)
         self._counts = collections.Counter[str]()
         self._per_user = collections.Counter[str]()
+        self._running_per_user = collections.Counter[str]()
         self._per_launcher = collections.Counter[str]()
 
     def handle(self, event: Any) -> list[Output]:
@@ -138,11 +181,12 @@ class InferletCore:
         self.instances[instance.id] = instance
         self._per_user[instance.user] += 1
         self._per_launcher[instance.launcher] += 1
-        self.queue.append(instance.id)
+        self.queue.append(instance.user, instance.id)
         self._counts["launched"] += 1
-        queued = not self._has_room()
+        admitted = self._admit()
+        queued = instance.state == "queued"
         launched = ev.InferletLaunched(corr=event.corr, instance=instance.id, queued=queued)
-        return [(event.requester, launched), *self._admit()]
+        return [(event.requester, launched), *admitted]
 
     def _parent(self, requester: str) -> Instance | None:
         kind, _, name = requester.partition(":")
@@ -180,9 +224,13 @@ class InferletCore:
 
     def _admit(self) -> list[Output]:
         out: list[Output] = []
-        while self.queue and self._has_room():
-            instance = self.instances[self.queue.popleft()]
+        while self._has_room():
+            user = self.queue.next_user(self._running_per_user, self.limits.max_running_per_user)
+            if user is None:
+                break
+            instance = self.instances[self.queue.pop(user)]
             instance.state = "running"
+            self._running_per_user[user] += 1
             self.to_start.append(instance)
             started = ev.InferletStarted(instance=instance.id, program=instance.program.hash)
             out.append((instance.launcher, started))
@@ -196,7 +244,7 @@ class InferletCore:
             return [(event.requester, _with_corr(instance, event.corr))]
         out: list[Output] = [(event.requester, Done(corr=event.corr))]
         if instance.state == "queued":
-            self.queue.remove(instance.id)
+            self.queue.remove(instance.user, instance.id)
             out.extend(
                 self._end(
                     instance,
@@ -254,6 +302,8 @@ class InferletCore:
     def _end(self, instance: Instance, end: ev.InferletEnd) -> list[Output]:
         del self.instances[instance.id]
         _forget(self._per_user, instance.user)
+        if instance.state != "queued":
+            _forget(self._running_per_user, instance.user)
         _forget(self._per_launcher, instance.launcher)
         self._counts[type(end).__name__] += 1
         out: list[Output] = [(instance.launcher, end)]
@@ -268,7 +318,7 @@ class InferletCore:
 
     def _stop_child(self, child: Instance, reason: str) -> list[Output]:
         if child.state == "queued":
-            self.queue.remove(child.id)
+            self.queue.remove(child.user, child.id)
             return self._end(
                 child, ev.InferletTerminated(instance=child.id, reason=reason, seconds=0.0)
             )
