@@ -135,6 +135,9 @@ class BusConfig:
     """Bytes of messages one queue holds until they are pulled; past that a push is overrun."""
     max_user_mb: int = field(default=64, validator=_at_least(1))
     """Bytes of messages one user's pushes hold on all queues; past that a push fails quota."""
+    max_waiting_pulls: int = field(default=1024, validator=_at_least(1))
+    """Pulls one inferlet or connection may have waiting at once, on all queues; past that a
+    pull fails overrun."""
 
 
 @frozen(kw_only=True)
@@ -151,13 +154,13 @@ class SandboxConfig:
     max_inferlets_per_user: int = field(default=256, validator=_at_least(0))
     """Inferlets of one user running and queued together; more launches are refused (0: no
     limit)."""
-    max_children: int = field(default=64, validator=_at_least(0))
-    """Children one inferlet may have running and queued at once (0: no limit)."""
-    max_child_depth: int = field(default=8, validator=_at_least(0))
     max_running_per_user: int = field(default=0, validator=_at_least(0))
     """Inferlets of one user running at once; more wait in the admission queue though slots are
     free (0: up to max_concurrent). A freed slot always goes to the waiting user with the fewest
     running, so the default lets one user use every idle slot without starving others."""
+    max_children: int = field(default=64, validator=_at_least(0))
+    """Children one inferlet may have running and queued at once (0: no limit)."""
+    max_child_depth: int = field(default=8, validator=_at_least(0))
     """How many generations of children below an inferlet a client launched (0: none)."""
     cache_dir: str = ""
     """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""

@@ -364,3 +364,46 @@ def test_after_a_churn_of_names_the_tables_return_to_their_baseline() -> None:
     stats = bus.core.statistics()
     assert bus.core.names() == baseline[0]
     assert attrs.evolve(stats, delivered=0) == attrs.evolve(baseline[1], delivered=0)
+
+
+def test_a_requester_over_its_waiting_pulls_gets_an_overrun_while_others_wait() -> None:
+    bus = Bus(max_waiting_pulls=2)
+    assert bus.send(ev.Pull, "hog", queue="a") == []
+    assert bus.send(ev.Pull, "hog", queue="b") == []
+    failed = refusal(bus.send(ev.Pull, "hog", queue="a"), "hog")
+    assert failed.kind == "overrun" and failed.corr == 3
+    assert "hog" in failed.message and "max_waiting_pulls" in failed.message
+    assert bus.send(ev.Pull, "good", queue="a") == []
+    assert bus.core.statistics().waiting_pulls == 3
+    assert [dst for dst, _ in bus.push("a", "m1")] == ["hog", "p"]
+    assert [dst for dst, _ in bus.push("a", "m2")] == ["good", "p"]
+
+
+def test_a_served_pull_makes_room_for_another() -> None:
+    bus = Bus(max_waiting_pulls=1)
+    bus.send(ev.Pull, "c", queue="q")
+    bus.push("q", "m")
+    assert bus.send(ev.Pull, "c", queue="q") == []
+
+
+def test_a_pull_a_message_answers_at_once_needs_no_room() -> None:
+    bus = Bus(max_waiting_pulls=1)
+    bus.send(ev.Pull, "c", queue="empty")
+    bus.push("full", "m")
+    assert bus.pulled("full") == ["m"]
+
+
+def test_a_refused_pull_leaves_nothing_behind() -> None:
+    bus = Bus(max_waiting_pulls=1)
+    bus.send(ev.Pull, "c", queue="q")
+    bus.send(ev.Pull, "c", queue="other")
+    assert bus.core.names() == 1 and bus.core.statistics().waiting_pulls == 1
+    bus.send(ev.LeaveBus, "c")
+    assert bus.core.names() == 0 and bus.core.statistics().requesters == 0
+
+
+def test_a_requester_waits_on_at_most_a_thousand_and_twenty_four_pulls_by_default() -> None:
+    bus = Bus()
+    for n in range(1024):
+        assert bus.send(ev.Pull, "c", queue=f"q{n % 3}") == []
+    assert refusal(bus.send(ev.Pull, "c", queue="q0"), "c").kind == "overrun"

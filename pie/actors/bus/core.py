@@ -1,6 +1,7 @@
 """The bus's pure core: named queues (each message to one puller, waiting pulls served in
 order) and topics (each message to every subscriber). What it holds is bounded (a message's
-size, the bytes parked on one queue and by one user) and a name with nothing left is forgotten."""
+size, the bytes parked on one queue and by one user, the pulls one requester has waiting) and a
+name with nothing left is forgotten."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class BusLimits:
     """Bytes one queue may hold (each message charged its size plus MESSAGE_OVERHEAD)."""
     max_user_bytes: int = 64 << 20
     """Bytes one user's pushed messages may hold across all queues until they are pulled."""
+    max_waiting_pulls: int = 1024
+    """Pulls one requester may have waiting at once, on all queues; more fail `overrun`."""
 
     @classmethod
     def from_config(cls, config: BusConfig) -> BusLimits:
@@ -36,6 +39,7 @@ class BusLimits:
             max_queue_messages=config.max_queue_messages,
             max_queue_bytes=config.max_queue_mb << 20,
             max_user_bytes=config.max_user_mb << 20,
+            max_waiting_pulls=config.max_waiting_pulls,
         )
 
 
@@ -159,11 +163,7 @@ class BusCore:
     def _pull(self, event: ev.Pull) -> list[Output]:
         queue = self._queues.get(event.queue)
         if queue is None:
-            self._pullers.setdefault(event.queue, collections.deque()).append(
-                (event.requester, event.corr)
-            )
-            self._pulling.setdefault(event.requester, collections.Counter())[event.queue] += 1
-            return []
+            return self._wait(event)
         message, user, charge = queue.messages.popleft()
         queue.bytes -= charge
         if not queue.messages:
@@ -171,6 +171,22 @@ class BusCore:
         self._release(user, charge)
         self._delivered += 1
         return [(event.requester, ev.Pulled(corr=event.corr, queue=event.queue, message=message))]
+
+    def _wait(self, event: ev.Pull) -> list[Output]:
+        """Keeps a pull until a message comes, within its requester's bound on waiting pulls."""
+        pulling = self._pulling.get(event.requester, collections.Counter())
+        most = self.limits.max_waiting_pulls
+        if sum(pulling.values()) >= most:
+            message = f"{event.requester} already has {most} pulls waiting (bus.max_waiting_pulls)"
+            return [
+                (event.requester, RequestFailed(corr=event.corr, kind="overrun", message=message))
+            ]
+        self._pullers.setdefault(event.queue, collections.deque()).append(
+            (event.requester, event.corr)
+        )
+        pulling[event.queue] += 1
+        self._pulling[event.requester] = pulling
+        return []
 
     def _release(self, user: str, charge: int) -> None:
         left = self._user_bytes[user] - charge
