@@ -2,8 +2,10 @@
 
 hog: reserves pages on new contexts until refused, reports the refusal and holds the pages
 until the client says so. prompt: one pass of `tokens` tokens. good: a short greedy
-generation. save: saves snapshots of `pages` pages each until refused. probe: one pass with
-`slots` probe slots of the given kind. Each refusal is reported as {"refused": kind}."""
+generation. save: saves snapshots of `pages` pages each until refused. keep: saves one snapshot
+`name` of `tokens` tokens. open: opens snapshot `name`. keep and open report the snapshot's
+tokens and the greedy token after it and token 7. probe: one pass with `slots` probe slots of
+the given kind. Each refusal is reported as {"refused": kind}."""
 
 from __future__ import annotations
 
@@ -61,6 +63,30 @@ async def save(input: dict[str, Any]) -> Any:
     return {"saved": 10_000}
 
 
+async def keep(input: dict[str, Any]) -> Any:
+    with Context(get_model()) as ctx:
+        ctx.fill_tokens([1 + i % 50 for i in range(input["tokens"])])
+        await ctx.flush()
+        ctx.save(input["name"])
+        return await _after(ctx)
+
+
+async def open_saved(input: dict[str, Any]) -> Any:
+    try:
+        ctx = Context.open(get_model(), input["name"])
+    except HostError as err:
+        return {"refused": err.kind}
+    with ctx:
+        return await _after(ctx)
+
+
+async def _after(ctx: Context) -> Any:
+    tokens = ctx.tokens
+    ctx.fill_tokens([7])
+    generation = ctx.generate(Sampler.argmax(), max_tokens=1, stop_tokens=[])
+    return {"tokens": tokens, "next": await generation.collect_tokens()}
+
+
 PROBES = {
     "distribution": lambda input: Probe.distribution(input.get("k", 5)),
     "logits": lambda input: Probe.raw_logits(),
@@ -80,4 +106,12 @@ async def probe(input: dict[str, Any]) -> Any:
         return {"outputs": len(results)}
 
 
-MODES = {"hog": hog, "prompt": prompt, "good": good, "save": save, "probe": probe}
+MODES = {
+    "hog": hog,
+    "prompt": prompt,
+    "good": good,
+    "save": save,
+    "keep": keep,
+    "open": open_saved,
+    "probe": probe,
+}
