@@ -265,3 +265,36 @@ async def test_an_engine_without_a_directory_keeps_snapshots_in_memory_only(
                 await r.forward(context, [1, 2, 3])
                 await r.save(context, "draft")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.integration
+async def test_a_snapshot_that_no_longer_fits_is_logged_and_its_record_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(20):
+        async with open_engine(engine_config(tmp_path), driver=driver()) as engine:
+            async with engine.requester() as r:
+                for name, pages in [("small", 1), ("big", 6)]:
+                    context = await r.create_context(user="alice")
+                    await r.forward(context, list(range(1, 1 + pages * PAGE)))
+                    await r.save(context, name, user="alice")
+        smaller = engine_config(tmp_path, snapshot_page_share=0.0625)  # 4 of 64 pages
+        with caplog.at_level(logging.WARNING):
+            async with open_engine(smaller, driver=driver()) as engine:
+                assert set(engine.kv.core.snapshots) == {("alice", "small")}
+                assert engine.statistics().kv.pages_free == 64 - 1
+    assert "'big' of 'alice' not rebuilt" in caplog.text and "snapshot_quota" in caplog.text
+    assert len(SnapshotStore(tmp_path).read_all()) == 2
+
+
+@pytest.mark.integration
+async def test_a_damaged_record_does_not_stop_the_engine_from_starting(tmp_path: Path) -> None:
+    SnapshotStore(tmp_path).write(record(count=3))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "broken.json").write_bytes(b"\x00\xff{")
+    with trio.fail_after(20):
+        async with open_engine(engine_config(tmp_path), driver=driver()) as engine:
+            assert set(engine.kv.core.snapshots) == {("alice", "draft")}
+            async with engine.requester() as r:
+                info = await r.describe(await r.open("draft", user="alice"))
+    assert (info.tokens, info.masked_pages) == ((10, 11, 12), (0,))
