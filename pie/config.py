@@ -179,7 +179,13 @@ class SandboxConfig:
     files_check_ms: float = field(default=100.0, validator=_at_least(1))
     """How often running inferlets' /scratch and /data are measured against their quotas."""
     subscription_buffer: int = field(default=1024, validator=_at_least(1))
-    """Messages a topic subscription holds before it drops (and reports an overrun)."""
+    """Messages a topic subscription holds; past that its oldest are dropped (and the subscriber
+    told of it by an overrun)."""
+    subscription_buffer_mb: int = field(default=16, validator=_at_least(1))
+    """Bytes (UTF-8) of messages one subscription holds; past that its oldest are dropped."""
+    subscription_buffer_inferlet_mb: int = field(default=64, validator=_at_least(1))
+    """Bytes of messages all of one inferlet's subscriptions hold together; past that the
+    oldest of its fullest subscription are dropped."""
     epoch_ms: float = 5.0
     """How often the runaway-guest check runs."""
     guest_niceness: int = field(default=10, validator=[_at_least(0), attrs.validators.le(19)])

@@ -153,6 +153,8 @@ class Engine:
             version=__version__,
             files=_file_layout(sandbox),
             subscription_buffer=sandbox.subscription_buffer,
+            subscription_bytes=sandbox.subscription_buffer_mb << 20,
+            subscriptions_bytes=sandbox.subscription_buffer_inferlet_mb << 20,
             guest_niceness=sandbox.guest_niceness,
             lanes=self.lanes if self.config.scheduler.fast_path else None,
         )

@@ -78,3 +78,11 @@ class TopicMessage:
     topic: str
     sender: str
     message: str
+
+
+def message_size(message: str) -> int:
+    """A message's size in UTF-8, the measure of every bound on messages (ASCII text is
+    measured without encoding it)."""
+    if message.isascii():
+        return len(message)
+    return len(message.encode("utf-8", "surrogatepass"))

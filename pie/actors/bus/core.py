@@ -12,6 +12,7 @@ from attrs import define, frozen
 
 from pie.config import BusConfig
 from pie.events import bus as ev
+from pie.events.bus import message_size
 from pie.events.kv import Done, RequestFailed
 
 Output = tuple[str, Any]
@@ -61,13 +62,6 @@ class _Queue:
     messages: collections.deque[tuple[str, str, int]]
     """(message, the user charged for it, its charge), oldest first."""
     bytes: int = 0
-
-
-def message_size(message: str) -> int:
-    """A message's size in UTF-8 (ASCII text is measured without encoding it)."""
-    if message.isascii():
-        return len(message)
-    return len(message.encode("utf-8", "surrogatepass"))
 
 
 class BusCore:

@@ -87,6 +87,8 @@ class InferletActor(Actor):
         version: str,
         files: FileLayout | None = None,
         subscription_buffer: int = 1024,
+        subscription_bytes: int = 16 << 20,
+        subscriptions_bytes: int = 64 << 20,
         guest_niceness: int = 10,
         lanes: Lanes | None = None,
     ) -> None:
@@ -100,6 +102,7 @@ class InferletActor(Actor):
         self._corr = corr
         self.files = InstanceFiles(files or FileLayout())
         self._subscription_buffer = subscription_buffer
+        self._subscription_bytes = (subscription_bytes, subscriptions_bytes)
         self._guest_niceness = guest_niceness
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
@@ -148,6 +151,8 @@ class InferletActor(Actor):
             budget_seconds=self.limits.budget_seconds,
             version=self.version,
             subscription_buffer=self._subscription_buffer,
+            subscription_bytes=self._subscription_bytes[0],
+            subscriptions_bytes=self._subscription_bytes[1],
             lanes=self.lanes,
         )
         bridge.state = state

@@ -14,6 +14,7 @@ from attrs import define, field
 
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
+from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
 from pie.events.sampling import SamplingSlot
 from pie.sandbox.host.failure import HostFailure
@@ -75,7 +76,9 @@ class Pending:
 class Subscription:
     topic: str
     corr: int
-    messages: collections.deque[str] = field(factory=collections.deque)
+    messages: collections.deque[tuple[str, int]] = field(factory=collections.deque)
+    """What arrived before the guest asked for it, oldest first, each with its UTF-8 size."""
+    bytes: int = 0
     waiting: collections.deque[int] = field(factory=collections.deque)
     dropped: int = 0
 
@@ -101,6 +104,8 @@ class InstanceState:
         budget_seconds: float,
         version: str,
         subscription_buffer: int = 1024,
+        subscription_bytes: int = 16 << 20,
+        subscriptions_bytes: int = 64 << 20,
         lanes: FastPath | None = None,
     ) -> None:
         self.instance = instance
@@ -114,6 +119,11 @@ class InstanceState:
         self.version = version
         self.deadline = time.monotonic() + budget_seconds
         self.subscription_buffer = subscription_buffer
+        self.subscription_bytes = subscription_bytes
+        """What one subscription's buffer may hold, in bytes of UTF-8."""
+        self.subscriptions_bytes = subscriptions_bytes
+        """What the buffers of all this instance's subscriptions may hold together."""
+        self.buffered = 0
         self.response: Any = None
         """An HTTP-served instance's response (host.serving.Response); None otherwise."""
         self._corr = corr
@@ -258,6 +268,7 @@ class InstanceState:
             subscription = self._subscription(sub)
             del self.subscriptions[sub]
             self._topic_subs.pop(subscription.corr, None)
+            self.buffered -= subscription.bytes
             for handle in subscription.waiting:
                 self._fill(handle, RequestFailed(corr=0, kind="closed", message="unsubscribed"))
         return subscription.topic
@@ -386,21 +397,37 @@ class InstanceState:
         if sub is None:
             return
         subscription = self.subscriptions[sub]
-        if len(subscription.messages) >= self.subscription_buffer:
-            subscription.dropped += 1
-            return
-        subscription.messages.append(event.message)
+        size = message_size(event.message)
+        subscription.messages.append((event.message, size))
+        subscription.bytes += size
+        self.buffered += size
         self._feed_subscription(subscription)
+        while (
+            len(subscription.messages) > self.subscription_buffer
+            or subscription.bytes > self.subscription_bytes
+        ):
+            self._drop_oldest(subscription)
+        while self.buffered > self.subscriptions_bytes:
+            self._drop_oldest(max(self.subscriptions.values(), key=lambda s: s.bytes))
+
+    def _drop_oldest(self, subscription: Subscription) -> None:
+        _, size = subscription.messages.popleft()
+        subscription.bytes -= size
+        self.buffered -= size
+        subscription.dropped += 1
 
     def _feed_subscription(self, subscription: Subscription) -> None:
-        while subscription.messages and subscription.waiting:
-            self._fill(subscription.waiting.popleft(), subscription.messages.popleft())
-        # Reported once the messages kept before the drop have been read.
+        # The oldest messages go first, so a loss is reported before the messages kept after it.
         if subscription.dropped and subscription.waiting:
             message = f"{subscription.dropped} messages on {subscription.topic!r} were dropped"
             overrun = RequestFailed(corr=0, kind="overrun", message=message)
             self._fill(subscription.waiting.popleft(), overrun)
             subscription.dropped = 0
+        while subscription.messages and subscription.waiting:
+            message, size = subscription.messages.popleft()
+            subscription.bytes -= size
+            self.buffered -= size
+            self._fill(subscription.waiting.popleft(), message)
 
     def _child_ended(self, event: inf_ev.InferletEnd) -> None:
         child = self._child_by_instance.get(event.instance)
