@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pie"
 ALLOWED = {
     "pie": set(),
     "pie.events": set(),
+    "pie.durable": set(),
     "pie.build": {"pie"},
     "pie.net": set(),
     "pie.config": {"pie.net"},
@@ -31,6 +32,7 @@ ALLOWED = {
         "pie",
         "pie.config",
         "pie.dataplane",
+        "pie.durable",
         "pie.drivers",
         "pie.eventlog",
         "pie.events",
@@ -53,6 +55,7 @@ ALLOWED = {
         "pie.actors",
         "pie.build",
         "pie.config",
+        "pie.durable",
         "pie.engine",
         "pie.events",
         "pie.sandbox",

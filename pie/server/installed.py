@@ -7,11 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 
 from pie.actors.inferlet.programs import ProgramError, ProgramInfo, ProgramRegistry
+from pie.durable import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,14 @@ class InstalledPrograms:
             self._users.mkdir(parents=True, exist_ok=True)
             program = self.directory / f"{info.hash}.wasm"
             if not program.exists():
-                _write_atomically(program, wasm)
+                write_atomically(program, wasm)
             path = self._user_file(user)
             names = _read_names(path)
             entry = {"name": info.name, "version": info.version, "hash": info.hash}
             if entry not in names:
                 names.append(entry)
                 body = {"user": user, "programs": names}
-                _write_atomically(path, json.dumps(body, indent=1).encode())
+                write_atomically(path, json.dumps(body, indent=1).encode())
 
     def restore(self, registry: ProgramRegistry) -> int:
         """Adds every kept binding to `registry`; returns how many. A damaged file or entry is
@@ -86,17 +86,3 @@ def _read_names(path: Path) -> list[dict[str, str]]:
         log.warning("installed programs: %s is unreadable, starting it afresh (%s)", path, exc)
         return []
     return list(names)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)

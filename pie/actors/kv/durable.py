@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from attrs import frozen
 
 from pie.actors.kv.context import Chain
+from pie.durable import fsync_directory, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class SnapshotStore:
             pass
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True)
-            _fsync_directory(self.directory)
-        _write_atomically(path, data)
+            fsync_directory(self.directory)
+        write_atomically(path, data)
 
     def remove(self, user: str, name: str) -> None:
         path = self._path(user, name)
@@ -114,14 +114,14 @@ class SnapshotStore:
             path.unlink()
         except FileNotFoundError:
             return
-        _fsync_directory(path.parent)
+        fsync_directory(path.parent)
 
     def drop(self, user: str) -> None:
         """Removes every record of `user`."""
         folder = self._user_folder(user)
         if folder.exists():
             shutil.rmtree(folder)
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
 
     def read_all(self) -> list[SnapshotRecord]:
         """Every record kept, in a stable order. A damaged record, or one that is not where its
@@ -151,21 +151,3 @@ class SnapshotStore:
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
