@@ -4,8 +4,11 @@ installed programs that outlive a killed server."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from pie.client import ServerError
 from pie.client import connect as connect_client
 from pie.client.local import LocalServer
 from pie.config import HttpConfig
+from pie.server.hub import Refused
 from pie.server.mounts import prepare_mounts
 from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
@@ -175,3 +179,46 @@ async def test_installed_programs_survive_a_killed_server(
                 assert await bob.query_program("kept@1.0") is None
     finally:
         server.kill()
+
+
+async def test_compiles_wait_their_turn_per_user_and_overall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four users' uploads (alice sends two) against max_compiles = 2 and one per user: the
+    compile step (replaced by a timed stand-in that refuses the program) never runs more than
+    two at once, nor two of alice's."""
+    lock = threading.Lock()
+    now: collections.Counter[str] = collections.Counter()
+    most: collections.Counter[str] = collections.Counter()
+
+    async with serving(tmp_path, max_compiles=2, max_compiles_per_user=1) as server:
+
+        def stand_in(upload: Any) -> None:
+            owner = upload.name.split("-")[0]
+            with lock:
+                now[owner] += 1
+                now["all"] += 1
+                most[owner] = max(most[owner], now[owner])
+                most["all"] = max(most["all"], now["all"])
+            time.sleep(0.3)  # the compile's own work
+            with lock:
+                now[owner] -= 1
+                now["all"] -= 1
+            raise Refused("invalid-program", "not compiled in this test")
+
+        monkeypatch.setattr(server, "_check_and_compile", stand_in)
+        outcomes: list[str] = []
+
+        async def upload(user: str, n: int) -> None:
+            async with connect_client(server.url, user=user) as client:
+                try:
+                    await client.install(f"{user} {n}".encode() * 100, name=f"{user}-{n}")
+                except ServerError as err:
+                    outcomes.append(err.kind)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for user, n in (("alice", 1), ("alice", 2), ("bob", 1), ("carol", 1)):
+                    nursery.start_soon(upload, user, n)
+    assert outcomes == ["invalid-program"] * 4
+    assert most["alice"] == 1 and most["all"] == 2
