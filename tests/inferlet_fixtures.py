@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from attrs import frozen
 
 from pie.build import cached_build
+from pie.sandbox import WasmRuntime
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "sdk" / "examples"
@@ -30,3 +32,22 @@ def build_inferlet(
         return cached_build(folder, Path(cache_dir))
 
     return build
+
+
+@frozen
+class CompiledGuest:
+    """A test guest's component, and a component cache that already holds it compiled."""
+
+    wasm: bytes
+    components: Path
+
+
+def compile_guest(
+    build: Callable[[Path], Path], tmp_path_factory: pytest.TempPathFactory, folder: Path
+) -> CompiledGuest:
+    """Builds and compiles a guest once (for a module-scoped fixture), so that no test's time
+    limit pays for the compile."""
+    wasm = build(folder).read_bytes()
+    components = tmp_path_factory.mktemp("components")
+    WasmRuntime(components).cache.load(wasm)
+    return CompiledGuest(wasm, components)

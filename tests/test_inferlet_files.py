@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import trio
-from attrs import frozen
 
 from pie.actors.inferlet.files import (
     FileLayout,
@@ -30,8 +29,8 @@ from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.events import inferlet as ev
 from pie.events.inferlet import InferletOutcome
-from pie.sandbox import KillSwitch, RunOutcome, SandboxLimits, WasmRuntime
-from tests.inferlet_fixtures import GUESTS
+from pie.sandbox import KillSwitch, RunOutcome, SandboxLimits
+from tests.inferlet_fixtures import GUESTS, CompiledGuest, compile_guest
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 
 MIB = 1 << 20
@@ -165,22 +164,12 @@ def test_the_watcher_counts_a_removed_file_still_held_open(tmp_path: Path) -> No
     assert kill.reason == "/scratch holds more than its quota of 1 MiB (at least 1.5 MiB)"
 
 
-@frozen
-class Guest:
-    wasm: bytes
-    components: Path
-    """One component cache for the module: the guest is compiled once."""
-
-
 @pytest.fixture(scope="module")
 def filer(
     built: Callable[[Path], Path],  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
-) -> Guest:
-    wasm = built(GUESTS / "filer").read_bytes()
-    components = tmp_path_factory.mktemp("components")
-    WasmRuntime(components).cache.load(wasm)  # compiled here, not inside a test's time limit
-    return Guest(wasm, components)
+) -> CompiledGuest:
+    return compile_guest(built, tmp_path_factory, GUESTS / "filer")
 
 
 class Files:
@@ -210,7 +199,7 @@ class Files:
 
 
 @contextlib.asynccontextmanager
-async def files_engine(filer: Guest, **sandbox: Any) -> AsyncIterator[Files]:
+async def files_engine(filer: CompiledGuest, **sandbox: Any) -> AsyncIterator[Files]:
     cache = str(filer.components)
     config = with_overrides(EngineConfig(), sandbox={"cache_dir": cache, **sandbox})
     async with open_engine(config, driver=SyntheticDriver()) as engine:
@@ -218,7 +207,7 @@ async def files_engine(filer: Guest, **sandbox: Any) -> AsyncIterator[Files]:
 
 
 @pytest.mark.integration
-async def test_no_scratch_and_no_data_by_default(filer: Guest, tmp_path: Path) -> None:
+async def test_no_scratch_and_no_data_by_default(filer: CompiledGuest, tmp_path: Path) -> None:
     async with files_engine(filer) as files:
         looked = await files.run(mode="look")
         wrote = await files.run(mode="write", path="/data/note.txt", text="x")
@@ -229,7 +218,9 @@ async def test_no_scratch_and_no_data_by_default(filer: Guest, tmp_path: Path) -
 
 
 @pytest.mark.integration
-async def test_scratch_is_removed_when_the_instance_ends(filer: Guest, tmp_path: Path) -> None:
+async def test_scratch_is_removed_when_the_instance_ends(
+    filer: CompiledGuest, tmp_path: Path
+) -> None:
     root = tmp_path / "scratch"
     async with files_engine(filer, scratch_dir=str(root)) as files:
         seen, outcome = await files.look_while_waiting(
@@ -246,7 +237,7 @@ async def test_scratch_is_removed_when_the_instance_ends(filer: Guest, tmp_path:
 
 @pytest.mark.integration
 async def test_writing_past_the_quota_stops_the_inferlet_and_others_carry_on(
-    filer: Guest, tmp_path: Path
+    filer: CompiledGuest, tmp_path: Path
 ) -> None:
     root = tmp_path / "scratch"
     async with files_engine(
@@ -265,7 +256,7 @@ async def test_writing_past_the_quota_stops_the_inferlet_and_others_carry_on(
 
 
 @pytest.mark.integration
-async def test_an_inferlet_that_ends_over_quota_fails(filer: Guest, tmp_path: Path) -> None:
+async def test_an_inferlet_that_ends_over_quota_fails(filer: CompiledGuest, tmp_path: Path) -> None:
     async with files_engine(
         filer,
         scratch_dir=str(tmp_path / "scratch"),
@@ -278,7 +269,9 @@ async def test_an_inferlet_that_ends_over_quota_fails(filer: Guest, tmp_path: Pa
 
 
 @pytest.mark.integration
-async def test_data_outlives_the_run_for_its_user_only(filer: Guest, tmp_path: Path) -> None:
+async def test_data_outlives_the_run_for_its_user_only(
+    filer: CompiledGuest, tmp_path: Path
+) -> None:
     persist = tmp_path / "persist"
     async with files_engine(filer, persist_dir=str(persist)) as files:
         wrote = await files.run("alice", mode="write", path="/data/note.txt", text="remember")
@@ -293,7 +286,7 @@ async def test_data_outlives_the_run_for_its_user_only(filer: Guest, tmp_path: P
 
 @pytest.mark.integration
 async def test_user_names_that_look_like_paths_stay_inside_persist_dir(
-    filer: Guest, tmp_path: Path
+    filer: CompiledGuest, tmp_path: Path
 ) -> None:
     persist = tmp_path / "deep" / "persist"
     users = ["..", "../..", "../escape", "/tmp/abs", "a/../../b", "."]
@@ -313,7 +306,7 @@ async def test_user_names_that_look_like_paths_stay_inside_persist_dir(
 
 @pytest.mark.integration
 async def test_a_user_over_quota_is_stopped_and_may_still_clean_up(
-    filer: Guest, tmp_path: Path
+    filer: CompiledGuest, tmp_path: Path
 ) -> None:
     persist = tmp_path / "persist"
     async with files_engine(
@@ -330,7 +323,7 @@ async def test_a_user_over_quota_is_stopped_and_may_still_clean_up(
 
 @pytest.mark.integration
 async def test_a_directory_that_cannot_be_made_fails_the_inferlet_only(
-    filer: Guest, tmp_path: Path
+    filer: CompiledGuest, tmp_path: Path
 ) -> None:
     taken = tmp_path / "taken"
     taken.write_text("a file where the scratch root should be")

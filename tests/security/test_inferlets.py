@@ -12,15 +12,13 @@ from typing import Any
 
 import pytest
 import trio
-from attrs import frozen
 
 from pie.actors.requester import RequestRefused
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.events.inferlet import InferletOutcome
-from pie.sandbox import WasmRuntime
-from tests.inferlet_fixtures import GUESTS
+from tests.inferlet_fixtures import GUESTS, CompiledGuest, compile_guest
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.security
@@ -28,21 +26,12 @@ pytestmark = pytest.mark.security
 MIB = 1 << 20
 
 
-@frozen
-class Guest:
-    wasm: bytes
-    components: Path
-
-
 @pytest.fixture(scope="module")
 def hostile(
     built: Callable[[Path], Path],  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
-) -> Guest:
-    wasm = built(GUESTS / "hostile").read_bytes()
-    components = tmp_path_factory.mktemp("components")
-    WasmRuntime(components).cache.load(wasm)  # compiled here, not inside a test's time limit
-    return Guest(wasm, components)
+) -> CompiledGuest:
+    return compile_guest(built, tmp_path_factory, GUESTS / "hostile")
 
 
 class Hostile:
@@ -72,7 +61,7 @@ class Hostile:
 
 
 @contextlib.asynccontextmanager
-async def hostile_engine(guest: Guest, **sandbox: Any) -> AsyncIterator[Hostile]:
+async def hostile_engine(guest: CompiledGuest, **sandbox: Any) -> AsyncIterator[Hostile]:
     config = with_overrides(EngineConfig(), sandbox={"cache_dir": str(guest.components), **sandbox})
     async with open_engine(config, driver=SyntheticDriver()) as engine:
         yield Hostile(engine, engine.programs.add(guest.wasm).hash)
@@ -83,7 +72,7 @@ def result(outcome: InferletOutcome) -> Any:
     return json.loads(outcome.result or "null")
 
 
-async def test_a_fork_bomb_is_refused_at_the_children_limit(hostile: Guest) -> None:
+async def test_a_fork_bomb_is_refused_at_the_children_limit(hostile: CompiledGuest) -> None:
     async with hostile_engine(hostile, max_children=5) as attack:
         bomb = result(await attack.run(mode="bomb", program=attack.program))
         refused = attack.engine.statistics().inferlets.refused
@@ -94,7 +83,7 @@ async def test_a_fork_bomb_is_refused_at_the_children_limit(hostile: Guest) -> N
     assert refused == 1
 
 
-async def test_a_fork_bomb_stops_at_its_users_limit(hostile: Guest) -> None:
+async def test_a_fork_bomb_stops_at_its_users_limit(hostile: CompiledGuest) -> None:
     async with hostile_engine(hostile, max_inferlets_per_user=4, max_concurrent=2) as attack:
         bomb = result(await attack.run(mode="bomb", program=attack.program))
         await attack.served()
@@ -103,7 +92,7 @@ async def test_a_fork_bomb_stops_at_its_users_limit(hostile: Guest) -> None:
     assert "sandbox.max_inferlets_per_user" in bomb["message"]
 
 
-async def test_a_chain_of_children_stops_at_the_depth_limit(hostile: Guest) -> None:
+async def test_a_chain_of_children_stops_at_the_depth_limit(hostile: CompiledGuest) -> None:
     async with hostile_engine(hostile, max_child_depth=3) as attack:
         chain = result(await attack.run(mode="deep", program=attack.program))
         await attack.served()
@@ -111,7 +100,9 @@ async def test_a_chain_of_children_stops_at_the_depth_limit(hostile: Guest) -> N
     assert "sandbox.max_child_depth" in chain["message"]
 
 
-async def test_a_users_flood_of_launches_is_refused_and_other_users_run(hostile: Guest) -> None:
+async def test_a_users_flood_of_launches_is_refused_and_other_users_run(
+    hostile: CompiledGuest,
+) -> None:
     async with (
         hostile_engine(hostile, max_inferlets_per_user=3) as attack,
         attack.engine.requester() as client,
@@ -131,7 +122,9 @@ async def test_a_users_flood_of_launches_is_refused_and_other_users_run(hostile:
     assert "user 'mallory' already has 3" in refusal.value.message
 
 
-async def test_guests_are_admitted_only_while_the_memory_budget_has_room(hostile: Guest) -> None:
+async def test_guests_are_admitted_only_while_the_memory_budget_has_room(
+    hostile: CompiledGuest,
+) -> None:
     async with (
         hostile_engine(hostile, memory_mb=48, guest_memory_mb=96) as attack,
         attack.engine.requester() as client,
@@ -152,7 +145,7 @@ async def test_guests_are_admitted_only_while_the_memory_budget_has_room(hostile
     assert stats.running == 2 and stats.queued == 1
 
 
-async def test_a_guest_over_its_memory_cap_ends_memory(hostile: Guest) -> None:
+async def test_a_guest_over_its_memory_cap_ends_memory(hostile: CompiledGuest) -> None:
     async with hostile_engine(hostile, memory_mb=48) as attack:
         hoard = await attack.run(mode="alloc")
         await attack.served()
@@ -161,7 +154,7 @@ async def test_a_guest_over_its_memory_cap_ends_memory(hostile: Guest) -> None:
 
 
 async def test_writing_into_an_unlinked_file_counts_against_the_scratch_quota(
-    hostile: Guest, tmp_path: Path
+    hostile: CompiledGuest, tmp_path: Path
 ) -> None:
     root = tmp_path / "scratch"
     async with (

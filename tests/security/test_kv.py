@@ -13,15 +13,13 @@ from typing import Any
 
 import pytest
 import trio
-from attrs import frozen
 
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.events import inferlet as ev
 from pie.events import kv as kv_ev
-from pie.sandbox import WasmRuntime
-from tests.inferlet_fixtures import GUESTS
+from tests.inferlet_fixtures import GUESTS, CompiledGuest, compile_guest
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.security
@@ -30,21 +28,12 @@ PAGES = 64
 PAGE = 4
 
 
-@frozen
-class Guest:
-    wasm: bytes
-    components: Path
-
-
 @pytest.fixture(scope="module")
 def kv_hog(
     built: Callable[[Path], Path],  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
-) -> Guest:
-    wasm = built(GUESTS / "kv_hog").read_bytes()
-    components = tmp_path_factory.mktemp("components")
-    WasmRuntime(components).cache.load(wasm)  # compiled here, not inside a test's time limit
-    return Guest(wasm, components)
+) -> CompiledGuest:
+    return compile_guest(built, tmp_path_factory, GUESTS / "kv_hog")
 
 
 class Pool:
@@ -76,7 +65,7 @@ class Pool:
 
 
 @contextlib.asynccontextmanager
-async def pool_engine(guest: Guest, **scheduler: Any) -> AsyncIterator[Pool]:
+async def pool_engine(guest: CompiledGuest, **scheduler: Any) -> AsyncIterator[Pool]:
     config = with_overrides(
         EngineConfig(), sandbox={"cache_dir": str(guest.components)}, scheduler=scheduler
     )
@@ -94,7 +83,7 @@ async def first_message(events: trio.MemoryReceiveChannel[Any]) -> Any:
 
 
 async def test_a_hog_holding_pages_is_out_of_pages_at_its_quota_while_others_run(
-    kv_hog: Guest,
+    kv_hog: CompiledGuest,
 ) -> None:
     async with pool_engine(kv_hog) as pool, pool.engine.requester() as client:
         hog = await client.launch(pool.program, json.dumps({"mode": "hog"}), user="mallory")
@@ -116,7 +105,7 @@ async def test_a_hog_holding_pages_is_out_of_pages_at_its_quota_while_others_run
 
 
 async def test_a_prompt_larger_than_the_pool_is_too_large_and_others_are_served(
-    kv_hog: Guest,
+    kv_hog: CompiledGuest,
 ) -> None:
     async with pool_engine(kv_hog) as pool:
         huge = await pool.run(mode="prompt", tokens=PAGES * PAGE + 1)
@@ -129,7 +118,7 @@ async def test_a_prompt_larger_than_the_pool_is_too_large_and_others_are_served(
 
 
 async def test_one_users_snapshots_stop_at_their_quota_and_the_operator_can_drop_them(
-    kv_hog: Guest,
+    kv_hog: CompiledGuest,
 ) -> None:
     async with pool_engine(kv_hog) as pool, pool.engine.requester() as operator:
         filled = await pool.run(mode="save", tokens=4 * PAGE)
@@ -145,7 +134,7 @@ async def test_one_users_snapshots_stop_at_their_quota_and_the_operator_can_drop
 
 
 async def test_a_pass_asking_for_too_many_probes_is_invalid_before_the_driver_runs_it(
-    kv_hog: Guest,
+    kv_hog: CompiledGuest,
 ) -> None:
     async with pool_engine(kv_hog, max_slots_per_pass=32, max_probe_values=5000) as pool:
         passes = pool.engine.statistics().inference.passes
