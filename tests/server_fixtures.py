@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,36 @@ class Raw:
 
 async def connect(url: str) -> Any:
     return open_websocket_url(url, max_message_size=64 << 20)
+
+
+def durable_config(tmp_path: Path) -> Path:
+    """A `pie serve` config whose lasting state (installed programs, named snapshots) lives in
+    `tmp_path`, with the shared compiled-components cache."""
+    config = tmp_path / "pie.toml"
+    config.write_text(
+        f'[sandbox]\ncache_dir = "{PYTEST_CACHE / "pie-components"}"\n'
+        f'[server]\nprograms_dir = "{tmp_path / "programs"}"\n'
+        f'[kv]\nsnapshots_dir = "{tmp_path / "snapshots"}"\n'
+    )
+    return config
+
+
+@contextlib.asynccontextmanager
+async def served_process(model_dir: Path, config: Path) -> AsyncIterator[Any]:
+    """`pie serve --config CONFIG` in a child process (a LocalServer), killed on exit."""
+    from pie.client.local import LocalServer
+
+    def start() -> LocalServer:
+        return LocalServer.start(model_dir, args=["--config", str(config)])
+
+    server = await trio.to_thread.run_sync(start)
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+async def kill_hard(server: Any) -> None:
+    """SIGKILL, as a crash or an OOM killer would: nothing gets to clean up."""
+    server.process.send_signal(signal.SIGKILL)
+    await trio.to_thread.run_sync(server.process.wait)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +18,6 @@ import trio
 from pie.actors.inferlet.programs import ProgramError
 from pie.client import ServerError
 from pie.client import connect as connect_client
-from pie.client.local import LocalServer
 from pie.config import HttpConfig
 from pie.server.hub import Refused
 from pie.server.mounts import prepare_mounts
@@ -27,7 +25,7 @@ from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import PYTEST_CACHE, Raw, connect, serving
+from tests.server_fixtures import Raw, connect, durable_config, kill_hard, served_process, serving
 
 pytestmark = pytest.mark.security
 
@@ -150,26 +148,13 @@ async def test_installed_programs_survive_a_killed_server(
     relay: bytes,
     default_model_dir: Path,  # noqa: F811
 ) -> None:
-    config = tmp_path / "pie.toml"
-    config.write_text(
-        f'[sandbox]\ncache_dir = "{PYTEST_CACHE / "pie-components"}"\n'
-        f'[server]\nprograms_dir = "{tmp_path / "programs"}"\n'
-    )
-
-    def start() -> LocalServer:
-        return LocalServer.start(default_model_dir, args=["--config", str(config)])
-
-    server = await trio.to_thread.run_sync(start)
-    try:
+    config = durable_config(tmp_path)
+    async with served_process(default_model_dir, config) as server:
         with trio.fail_after(180):
             async with connect_client(server.url, user="alice") as alice:
                 mine = await alice.install(relay, name="kept", version="1.0")
-        server.process.send_signal(signal.SIGKILL)
-        await trio.to_thread.run_sync(server.process.wait)
-    finally:
-        server.kill()
-    server = await trio.to_thread.run_sync(start)
-    try:
+        await kill_hard(server)
+    async with served_process(default_model_dir, config) as server:
         with trio.fail_after(180):
             async with connect_client(server.url, user="alice") as alice:
                 found = await alice.query_program("kept@1.0")
@@ -177,8 +162,6 @@ async def test_installed_programs_survive_a_killed_server(
                 assert await counted(alice, "kept@1.0")
             async with connect_client(server.url, user="bob") as bob:
                 assert await bob.query_program("kept@1.0") is None
-    finally:
-        server.kill()
 
 
 async def test_compiles_wait_their_turn_per_user_and_overall(

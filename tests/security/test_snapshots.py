@@ -5,7 +5,6 @@ started again on the same directories, and still invisible to another user."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,11 +13,10 @@ import pytest
 import trio
 
 from pie.client import connect as connect_client
-from pie.client.local import LocalServer
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import PYTEST_CACHE
+from tests.server_fixtures import durable_config, kill_hard, served_process
 
 pytestmark = pytest.mark.security
 
@@ -39,29 +37,15 @@ async def test_a_saved_snapshot_survives_a_killed_server_for_its_user_alone(
     kv_hog: bytes,
     default_model_dir: Path,  # noqa: F811
 ) -> None:
-    config = tmp_path / "pie.toml"
-    config.write_text(
-        f'[sandbox]\ncache_dir = "{PYTEST_CACHE / "pie-components"}"\n'
-        f'[server]\nprograms_dir = "{tmp_path / "programs"}"\n'
-        f'[kv]\nsnapshots_dir = "{tmp_path / "snapshots"}"\n'
-    )
-
-    def start() -> LocalServer:
-        return LocalServer.start(default_model_dir, args=["--config", str(config)])
-
-    server = await trio.to_thread.run_sync(start)
-    try:
+    config = durable_config(tmp_path)
+    async with served_process(default_model_dir, config) as server:
         with trio.fail_after(180):
             async with connect_client(server.url, user="alice") as alice:
                 await alice.install(kv_hog, name="kv", version="1.0")
                 saved = await run(alice, "kv@1.0", mode="keep", name="notes", tokens=40)
         assert len(saved["tokens"]) == 40 and len(saved["next"]) == 1
-        server.process.send_signal(signal.SIGKILL)
-        await trio.to_thread.run_sync(server.process.wait)
-    finally:
-        server.kill()
-    server = await trio.to_thread.run_sync(start)
-    try:
+        await kill_hard(server)
+    async with served_process(default_model_dir, config) as server:
         with trio.fail_after(180):
             async with connect_client(server.url, user="alice") as alice:
                 assert await run(alice, "kv@1.0", mode="open", name="notes") == saved
@@ -69,5 +53,3 @@ async def test_a_saved_snapshot_survives_a_killed_server_for_its_user_alone(
                 await bob.install(kv_hog, name="kv", version="1.0")
                 hidden = await run(bob, "kv@1.0", mode="open", name="notes")
                 assert hidden == {"refused": "no-such-snapshot"}
-    finally:
-        server.kill()
