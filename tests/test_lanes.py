@@ -91,6 +91,39 @@ def test_a_request_claims_a_pass_still_queued_and_receives_it_when_it_ends() -> 
     assert h.got == [ForwardCompleted(corr=9, context=1, outputs=(TokenOutput(token=6),))]
 
 
+def test_the_pass_after_a_claimed_one_is_queued_with_its_token_as_it_ends() -> None:
+    h = Harness(depth=1)
+    h.open(token=5)
+    with h.lanes.cond:
+        [running] = h.lanes.take_ready(8)
+    assert h.submit(5, corr=3)  # claims the running pass; the next one waits for its token
+    assert h.lanes.ready == 0
+    effects = h.lanes.completed([running], [TokenOutput(token=6)])
+    # Queued at once, before the claimed pass is handed over to its program.
+    with h.lanes.cond:
+        [following] = h.lanes.take_ready(8)
+    assert (following.token, following.slot, following.staged) == (6, 3, True)
+    assert h.got == [] and h.events(LanePassApplied) == []
+    with pytest.raises(LaneBusy):
+        h.lanes.close(1, "p")  # still the program's pass in flight until handed over
+    h.lanes.run(effects)
+    assert h.got == [ForwardCompleted(corr=3, context=1, outputs=(TokenOutput(token=6),))]
+    assert [e.token for e in h.events(LanePassApplied)] == [5]
+    assert h.submit(6, corr=4)
+    assert h.tally().hits == 2 and h.tally().staged == 3  # and the next waits again
+
+
+def test_a_waiting_pass_is_dropped_with_its_lane_when_the_claimed_pass_fails() -> None:
+    h = Harness(depth=1)
+    h.open(token=5)
+    assert h.submit(5, corr=4)  # claims the queued pass; the next one waits for it
+    with h.lanes.cond:
+        passes = h.lanes.take_ready(8)
+    h.lanes.run(h.lanes.completed(passes, [None]))
+    assert isinstance(h.got[0], RequestFailed)
+    assert h.lanes.ready == 0 and h.events(LeaseReleased) == [LeaseReleased(lease=7, context=1)]
+
+
 def test_a_different_token_drops_the_chain_and_runs_on_demand() -> None:
     h = Harness(depth=4)
     h.open(token=5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pie.dataplane.lane import DONE, QUEUED, RUNNING, Lane, LanePass
+from pie.dataplane.lane import DONE, QUEUED, RUNNING, WAITING, Lane, LanePass
 from pie.dataplane.speculator import SpeculationStatistics, Speculator
 from pie.events.sampling import Argmax, SlotOp, TokenOutput, TopK
 from pie.events.speculation import Lease
@@ -61,6 +61,19 @@ def test_it_stages_no_deeper_than_its_depth_and_only_on_known_tokens() -> None:
     assert second is not None and (second.token, second.slot) == (9, 3)
     finish(second, 11)
     assert speculator.stage(one) is None and len(one.staged) == 2
+
+
+def test_after_the_claimed_pass_still_running_the_next_waits_for_its_token() -> None:
+    speculator, one = Speculator(depth=1), lane()
+    claimed = speculator.stage(one)
+    assert claimed is not None and speculator.claim(one, 7, Argmax()) is claimed
+    claimed.state = RUNNING
+    one.pending = claimed
+    following = speculator.stage(one)
+    assert following is not None and following.state == WAITING
+    assert (following.slot, following.position, following.op) == (3, 3, Argmax())
+    assert speculator.stage(one) is None  # one unclaimed pass: the depth
+    assert speculator.drop(one) == [following] and following.dropped
 
 
 def test_depth_zero_stages_nothing() -> None:

@@ -229,7 +229,9 @@ class BatchFormer:
         self._batches += 1
         self._requests += len(requests)
         self._lane_passes += lane_passes
-        self._tokens += lane_passes + sum(len(r.tokens) for r in requests)
+        self._tokens += lane_passes
+        if requests:
+            self._tokens += sum(len(r.tokens) for r in requests)
         self._max_size = max(self._max_size, size)
         self._histogram[size] += 1
 

@@ -12,7 +12,9 @@ from attrs import define, field
 from pie.events.sampling import SlotOp, SlotOutput
 from pie.events.speculation import Lease
 
-QUEUED, RUNNING, DONE = 0, 1, 2
+QUEUED, RUNNING, DONE, WAITING = 0, 1, 2, 3
+"""WAITING: staged after the claimed pass while that one has not ended; its token is what that
+pass samples, filled in (and the pass queued) when it ends."""
 SEED_MODULUS = 2**63
 """Seeds live in 0..2**63-1; a stream's next seed wraps around there (the SDK's rule)."""
 
@@ -29,6 +31,7 @@ class LanePass:
     op: SlotOp
     staged: bool
     state: int = QUEUED
+    """QUEUED, RUNNING, DONE or WAITING (its `token` is not known yet)."""
     output: SlotOutput | None = None
     corr: int = 0
     deliver: Deliver | None = None
@@ -49,7 +52,7 @@ class Lane:
     """A claimed pass not yet delivered (at most one: a context runs one pass at a time)."""
     staged: collections.deque[LanePass] = field(factory=collections.deque)
     live: int = 0
-    """Passes queued or running that will still run (claimed or staged)."""
+    """Passes waiting, queued or running that will still run (claimed or staged)."""
     seed_step: int = 1
     """How far the program moves its sampler's seed per pass, as the speculator learned it."""
     closed: bool = False

@@ -9,7 +9,10 @@ With a speculation depth of D, when a lane pass ends the speculator (speculator.
 next one (the token just sampled, at the next position, with the same sampler and the next
 seed of its stream) and keeps up to D passes ahead of what its program has asked for. A request
 that matches the first staged pass claims it, whether it is queued, running or done; any other
-request drops every staged pass of the lane. Staged passes write only KV slots past the
+request drops every staged pass of the lane. A pass claimed before it has ended has its
+follower staged at once, WAITING for the token it will sample; when it ends, the driver thread
+fills that token in and queues the follower, and leaves handing the claimed pass over to
+`run`, off its path to the next pass. Staged passes write only KV slots past the
 context's end, in pages the lease pins, and the kv actor only ever appends what a program
 received, so a pass thrown away leaves nothing behind: the next pass writes over its slot.
 
@@ -29,7 +32,9 @@ from attrs import define, field
 
 from pie.dataplane.lane import (
     DONE,
+    QUEUED,
     RUNNING,
+    WAITING,
     Deliver,
     Lane,
     LanePass,
@@ -54,13 +59,15 @@ __all__ = ["DONE", "Effects", "LaneBusy", "LanePass", "Lanes"]
 
 @define
 class Effects:
-    """What to do once the lock is released: posts to Trio first, then deliveries. A lane
-    pass handed over stands for its `LanePassApplied` among the events and for its
-    `ForwardCompleted` among the deliveries: they are built in `run`, off the pass loop's
-    path from one pass to the next."""
+    """What to do once the lock is released: hand claimed passes over, then post to Trio,
+    then deliver. A lane pass handed over stands for its `LanePassApplied` among the events
+    and for its `ForwardCompleted` among the deliveries: they are built in `run`, off the pass
+    loop's path from one pass to the next, and so is the hand-over of the claimed passes that
+    ended (`handed`), which the next pass does not wait for."""
 
     events: list[tuple[str, Any]] = field(factory=list)
     deliveries: list[tuple[Deliver, Any]] = field(factory=list)
+    handed: list[LanePass] = field(factory=list)
 
 
 class Lanes:
@@ -200,9 +207,14 @@ class Lanes:
         return effects
 
     def run(self, effects: Effects) -> None:
-        """Posts to Trio, then delivers to programs. Effects of one lane are run in the order
-        they were made: those of the pass loop on one thread, one batch after another; a
-        program's own only once it has received everything before them."""
+        """Hands claimed passes over, posts to Trio, then delivers to programs. Effects of one
+        lane are run in the order they were made: those of the pass loop on one thread, one
+        batch after another; a program's own only once it has received everything before
+        them."""
+        if effects.handed:
+            with self.cond:
+                for lane_pass in effects.handed:
+                    self._hand_over(lane_pass, effects)
         events = self._batched(effects.events)
         if events:
             self._post(events)
@@ -275,6 +287,7 @@ class Lanes:
                 self._hand_over(claimed, effects)
             else:
                 lane.pending = claimed
+                self._stage(lane)
             return
         self._drop_staged(lane)
         direct = LanePass(
@@ -289,7 +302,9 @@ class Lanes:
         )
         lane.pending = direct
         self.speculator.direct += 1
+        lane.live += 1
         self._queue(direct)
+        self._stage(lane)
 
     def _completed(self, lane_pass: LanePass, output: SlotOutput | None, effects: Effects) -> None:
         lane = lane_pass.lane
@@ -308,8 +323,9 @@ class Lanes:
                 lane.pending = None
             self._close(lane, effects)
         elif lane_pass.deliver is not None:
-            self._hand_over(lane_pass, effects)
-            if not lane.closed and lane.pending is None and not lane.staged:
+            self._resolve(lane, lane_pass)
+            effects.handed.append(lane_pass)
+            if not lane.closed and not lane.staged:
                 self.awaited.add(lane)
         else:
             self._stage(lane)
@@ -337,22 +353,36 @@ class Lanes:
         if not lane.closed:
             self._stage(lane)
 
+    def _resolve(self, lane: Lane, claimed: LanePass) -> None:
+        """Queues the pass waiting for the token `claimed` (which has just ended) sampled. The
+        driver thread does this, the one thread that waits on `cond`: no one to notify; and a
+        lane whose claimed pass was running is not awaited."""
+        following = lane.staged[0] if lane.staged else None
+        if following is not None and following.state == WAITING:
+            output = claimed.output
+            assert isinstance(output, TokenOutput)
+            following.token = output.token
+            following.state = QUEUED
+            self.ready += 1
+            self._ready.append(following)
+
     def _stage(self, lane: Lane) -> None:
         staged = self.speculator.stage(lane)
         if staged is not None:
-            self._queue(staged)
+            lane.live += 1
+            if staged.state == QUEUED:
+                self._queue(staged)
 
     def _queue(self, lane_pass: LanePass) -> None:
-        lane_pass.lane.live += 1
         self.ready += 1
         self._ready.append(lane_pass)
         self.awaited.discard(lane_pass.lane)
         self.cond.notify_all()
 
     def _drop_staged(self, lane: Lane) -> None:
-        queued = len(self.speculator.drop(lane))
-        lane.live -= queued
-        self.ready -= queued
+        unrun = self.speculator.drop(lane)
+        lane.live -= len(unrun)
+        self.ready -= sum(1 for p in unrun if p.state == QUEUED)
 
     def _close(self, lane: Lane, effects: Effects) -> None:
         if lane.closed:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 from attrs import frozen
 
-from pie.dataplane.lane import DONE, QUEUED, SEED_MODULUS, Lane, LanePass
+from pie.dataplane.lane import DONE, QUEUED, SEED_MODULUS, WAITING, Lane, LanePass
 from pie.events.sampling import SlotOp, TokenOutput
 
 
@@ -74,19 +74,26 @@ class Speculator:
 
     def stage(self, lane: Lane) -> LanePass | None:
         """The lane's next pass, appended to its chain, when the depth allows and its input is
-        known (the token the pass before it sampled); None otherwise."""
+        known (the token the pass before it sampled); None otherwise. After the claimed pass
+        while it has not ended, the next pass is staged WAITING for that pass's token: deciding
+        it then takes it off the path from that pass to the next."""
         if lane.closed or len(lane.staged) >= self.depth:
             return None
-        if lane.staged:
-            last = lane.staged[-1]
-            if last.state != DONE or not isinstance(last.output, TokenOutput):
-                return None
-            token, slot, position, op = last.output.token, last.slot, last.position, last.op
-        else:
-            if lane.pending is not None or lane.base_token is None:
+        before = lane.staged[-1] if lane.staged else lane.pending
+        state = QUEUED
+        if before is None:
+            if lane.base_token is None:
                 return None
             token, op = lane.base_token, lane.base_op
             slot, position = lane.base_slot - 1, lane.base_position - 1
+        elif before.state == DONE:
+            if not isinstance(before.output, TokenOutput):
+                return None
+            token, slot, position, op = before.output.token, before.slot, before.position, before.op
+        elif before is lane.pending:
+            token, slot, position, op, state = -1, before.slot, before.position, before.op, WAITING
+        else:
+            return None
         if slot + 1 >= lane.capacity:
             return None
         staged = LanePass(
@@ -96,20 +103,22 @@ class Speculator:
             slot=slot + 1,
             op=self._predict(lane, op),
             staged=True,
+            state=state,
         )
         lane.staged.append(staged)
         self.staged += 1
         return staged
 
     def drop(self, lane: Lane) -> list[LanePass]:
-        """Throws the lane's staged chain away; returns the passes of it still queued."""
+        """Throws the lane's staged chain away; returns the passes of it that have not run
+        (queued or waiting)."""
         if not lane.staged:
             return []
         self.dropped_chains += 1
         queued = []
         for staged in lane.staged:
             staged.dropped = True
-            if staged.state == QUEUED:
+            if staged.state in (QUEUED, WAITING):
                 queued.append(staged)
             elif staged.state == DONE:
                 self.wasted_passes += 1
