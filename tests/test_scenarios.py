@@ -49,10 +49,17 @@ def server(
     pytestconfig: pytest.Config,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[LocalServer]:
-    """`pie serve` on the default model; compiled components stay in pytest's cache."""
+    """`pie serve` on the default model; compiled components stay in pytest's cache, while what
+    the server keeps across restarts (installed programs, named snapshots) starts afresh."""
     components = cache_folder(pytestconfig, tmp_path_factory, "pie-serve")
     env = {**os.environ, "PIE_CACHE_DIR": str(components)}
-    local = LocalServer.start(default_model_dir, env=env)
+    state = tmp_path_factory.mktemp("pie-serve-state")
+    config = state / "pie.toml"
+    config.write_text(
+        f'[server]\nprograms_dir = "{state / "programs"}"\n'
+        f'[kv]\nsnapshots_dir = "{state / "snapshots"}"\n'
+    )
+    local = LocalServer.start(default_model_dir, env=env, args=["--config", str(config)])
     try:
         yield local
     finally:
