@@ -9,6 +9,7 @@ outbox thread while that next pass runs.
 
 from __future__ import annotations
 
+import functools
 import queue
 import sys
 import threading
@@ -78,7 +79,9 @@ class PassLoop:
         self.busy_seconds = 0.0
         self.last_seconds = 0.0
         """Counters kept by the driver thread (read from others without a lock)."""
-        self._times = {name: 0.0 for name in attrs.fields_dict(PassTimes)}
+        self._times = {name: 0.0 for name in attrs.fields_dict(PassTimes) if name != "settle"}
+        self._settle_seconds = 0.0
+        """Apart from `_times`, which the driver thread writes: the outbox thread writes this."""
         self._thread: threading.Thread | None = None
         self._outbox = _Outbox()
 
@@ -104,7 +107,7 @@ class PassLoop:
             return self.former.statistics()
 
     def pass_times(self) -> PassTimes:
-        return PassTimes(**self._times)
+        return PassTimes(**self._times, settle=self._settle_seconds)
 
     # -- the driver thread -----------------------------------------------------------------
 
@@ -151,35 +154,18 @@ class PassLoop:
         started = time.perf_counter()
         results, lane_outputs = self._forward(requests, lane_passes)
         ended = time.perf_counter()
-        self.last_seconds = ended - started
+        self.last_seconds = seconds = ended - started
         effects: list[Effects] = []
         with self._cond:
             completing = time.perf_counter()
-            self.former.pass_finished(ended - started, ended)
+            self.former.pass_finished(seconds, ended)
             if lane_passes:
                 effects.append(self.lanes.completed(lane_passes, lane_outputs))
-            for request, result in zip(requests, results, strict=True):
-                failed = isinstance(result, Exception)
-                if failed and not request.final:
-                    self.former.drop(request.corr)
-                if request.lease is not None and (request.final or failed):
-                    output = result[-1] if isinstance(result, list) and result else None
-                    effects.append(self.lanes.opened(request.lease, output))
+            if requests:
+                self._requests_ended(requests, results, effects)
             self._times["complete"] += time.perf_counter() - completing
             taken, _ = self._next_work()
-
-        def settle() -> None:
-            settling = time.perf_counter()
-            self.passes += 1
-            self.lane_passes += len(lane_passes)
-            self.busy_seconds += ended - started
-            self.tokens += len(lane_passes) + sum(len(r.tokens) for r in requests)
-            for batch in effects:
-                self.lanes.run(batch)
-            if requests:
-                self._report(PassReport(formed.batch, requests, results, ended - started))
-            self._times["settle"] += time.perf_counter() - settling
-
+        settle = functools.partial(self._settle, formed, lane_passes, results, effects, seconds)
         # When the next pass starts at once, the outbox settles this one while it runs;
         # otherwise this thread does it now, after anything the outbox still holds.
         if taken is not None or not self._outbox.idle():
@@ -188,9 +174,46 @@ class PassLoop:
             settle()
         return taken
 
+    def _requests_ended(
+        self,
+        requests: Sequence[ForwardRequest],
+        results: list[list[SlotOutput] | Exception],
+        effects: list[Effects],
+    ) -> None:
+        """Forgets what is left of a request whose chunk failed, and opens the lanes of the
+        leases granted (the caller holds `cond`)."""
+        for request, result in zip(requests, results, strict=True):
+            failed = isinstance(result, Exception)
+            if failed and not request.final:
+                self.former.drop(request.corr)
+            if request.lease is not None and (request.final or failed):
+                output = result[-1] if isinstance(result, list) and result else None
+                effects.append(self.lanes.opened(request.lease, output))
+
+    def _settle(
+        self,
+        formed: FormedPass,
+        lane_passes: list[LanePass],
+        results: list[list[SlotOutput] | Exception],
+        effects: list[Effects],
+        seconds: float,
+    ) -> None:
+        """Deliveries, posts, the report and counters of a pass that took `seconds`."""
+        settling = time.perf_counter()
+        requests = formed.requests
+        self.passes += 1
+        self.lane_passes += len(lane_passes)
+        self.busy_seconds += seconds
+        self.tokens += len(lane_passes) + sum(len(r.tokens) for r in requests)
+        for batch in effects:
+            self.lanes.run(batch)
+        if requests:
+            self._report(PassReport(formed.batch, requests, results, seconds))
+        self._settle_seconds += time.perf_counter() - settling
+
     def _forward(
         self, requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
-    ) -> tuple[list[list[SlotOutput] | Exception], list[SlotOutput | None]]:
+    ) -> tuple[list[list[SlotOutput] | Exception], Sequence[SlotOutput | None]]:
         """Runs the requests and lane passes in one pass: each request's outputs (or what
         failed it) and each lane pass's output (None: it failed). When the driver refuses
         the batch, its parts run one by one so that only the culprit fails (the driver
@@ -213,6 +236,8 @@ class PassLoop:
                 lane_outputs.extend(self._forward((), (lane_pass,))[1])
             return results, lane_outputs
         self._times["forward"] += time.perf_counter() - forwarding
+        if not requests:
+            return [], outputs
         results = []
         cursor = 0
         for request in requests:
