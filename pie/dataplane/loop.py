@@ -72,6 +72,7 @@ class PassLoop:
         self.former = former
         self._report = report
         self._cond = lanes.cond
+        self._lock = lanes.lock
         self._stopping = False
         self.passes = 0
         self.lane_passes = 0
@@ -156,7 +157,7 @@ class PassLoop:
         ended = time.perf_counter()
         self.last_seconds = seconds = ended - started
         effects: list[Effects] = []
-        with self._cond:
+        with self._lock:
             completing = time.perf_counter()
             self.former.pass_finished(seconds, ended)
             if lane_passes:
