@@ -201,8 +201,9 @@ class Lanes:
     def completed(
         self, passes: Sequence[LanePass], outputs: Sequence[SlotOutput | None]
     ) -> Effects:
-        """The pass loop ran `passes` (None outputs failed): stages what follows them and
-        returns the posts and deliveries for the caller to `run`."""
+        """The pass loop ran `passes` (None outputs failed): queues the passes waiting for
+        their tokens, stages what follows the others, and returns the claimed passes to hand
+        over, the posts and the deliveries for the caller to `run`."""
         effects = Effects()
         with self.lock:
             for lane_pass, output in zip(passes, outputs, strict=True):
