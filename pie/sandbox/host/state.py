@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from attrs import define, field
 
@@ -16,38 +16,12 @@ from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
-from pie.events.sampling import SamplingSlot
 from pie.sandbox.host.failure import HostFailure
+from pie.sandbox.host.ports import Bridge, FastPath
 from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
-
-
-class Bridge(Protocol):
-    def post(self, dst: str, event: Any) -> None:
-        """Hands `event` to the engine from the guest thread, without waiting."""
-
-
-class FastPath(Protocol):
-    """The engine's fast path for plain decodes, as the host calls use it (the engine injects
-    its lanes). Both methods raise `pie.events.speculation.LaneBusy` while the context has a
-    pass its program has not received."""
-
-    def submit(
-        self,
-        context: int,
-        requester: str,
-        corr: int,
-        tokens: Sequence[int],
-        positions: Sequence[int] | None,
-        slots: Sequence[SamplingSlot],
-        deliver: Callable[[Any], None],
-    ) -> bool:
-        """Takes the pass onto the context's lane; False when it must go the slow way."""
-
-    def close(self, context: int, requester: str, *, running_ok: bool = False) -> None:
-        """Takes the context off the fast path before a command that changes it."""
 
 
 @define

@@ -1,0 +1,36 @@
+"""What an instance's host calls reach of the engine, as protocols the engine fills at wiring
+time: the bridge that posts events to the actors, and the fast path for plain decodes. The
+sandbox imports neither the actors nor the data plane."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from pie.events.sampling import SamplingSlot
+
+
+class Bridge(Protocol):
+    def post(self, dst: str, event: Any) -> None:
+        """Hands `event` to the engine from the guest thread, without waiting."""
+
+
+class FastPath(Protocol):
+    """The engine's fast path for plain decodes, as the host calls use it (the engine injects
+    its lanes). Both methods raise `pie.events.speculation.LaneBusy` while the context has a
+    pass its program has not received."""
+
+    def submit(
+        self,
+        context: int,
+        requester: str,
+        corr: int,
+        tokens: Sequence[int],
+        positions: Sequence[int] | None,
+        slots: Sequence[SamplingSlot],
+        deliver: Callable[[Any], None],
+    ) -> bool:
+        """Takes the pass onto the context's lane; False when it must go the slow way."""
+
+    def close(self, context: int, requester: str, *, running_ok: bool = False) -> None:
+        """Takes the context off the fast path before a command that changes it."""
