@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pie.actors.kv import Quotas
+from pie.actors.kv.context import Chain
+from pie.actors.kv.pages import OutOfPages
+from pie.actors.kv.quotas import check_growth
 from pie.events import kv as ev
 from tests.test_kv_core import PAGE, Kv
 
@@ -149,3 +152,17 @@ def test_shares_become_pages_of_at_least_one_and_must_lie_in_zero_to_one() -> No
         Quotas.shares(10, inferlet=0.0, user=1.0, snapshots=1.0)
     with pytest.raises(ValueError):
         Quotas.shares(10, inferlet=1.0, user=1.5, snapshots=1.0)
+
+
+def test_holdings_are_counted_once_the_pool_in_use_could_reach_a_quota() -> None:
+    quotas = Quotas(inferlet=4, user=6, snapshots=3)
+    hog = Chain(owner="a", pages=[0, 1, 2])
+    # What the pool holds bounds what anyone holds: 1 page in use and 2 new ones fit.
+    check_growth(quotas, [hog], hog, 2, in_use=1)
+    # With the true count the holder is over its quota, and is refused.
+    with pytest.raises(OutOfPages):
+        check_growth(quotas, [hog], hog, 2, in_use=3)
+    # At the bound exactly the holdings are not counted; one page past it they are.
+    check_growth(quotas, [hog], hog, 2, in_use=2)
+    with pytest.raises(OutOfPages):
+        check_growth(quotas, [hog], hog, 2, attached=[9], in_use=2)

@@ -160,7 +160,9 @@ class KvCore:
         # Checked before anything changes, so that a refused pass leaves the cache as it was.
         self.pool.check_room(count - len(chain.reserved), keep=reused)
         grow = max(count - len(chain.reserved), 0)
-        check_growth(self.quotas, self.contexts.values(), chain, grow, reused)
+        check_growth(
+            self.quotas, self.contexts.values(), chain, grow, reused, in_use=self._in_use()
+        )
         self.prefix.attach(chain, reuse)
         added, from_reserve = self._take(chain, count)
         copies: tuple[PageCopy, ...] = ()
@@ -370,8 +372,12 @@ class KvCore:
         copy = 1 if count and self._tail_needing_copy(chain, length) is not None else 0
         wanted = self._pages_for(length + count) + copy - len(chain.pages) - len(chain.reserved)
         self.pool.check_room(wanted)
-        check_growth(self.quotas, self.contexts.values(), chain, wanted)
+        check_growth(self.quotas, self.contexts.values(), chain, wanted, in_use=self._in_use())
         chain.reserved.extend(self.pool.allocate(max(wanted, 0)))
+
+    def _in_use(self) -> int:
+        """Pages some context, snapshot or pass holds (neither empty nor cached)."""
+        return self.pool.num_pages - self.pool.free
 
     def _truncate(self, chain: Chain, count: int) -> None:
         self._quiet(chain, "truncate")

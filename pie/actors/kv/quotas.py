@@ -70,11 +70,17 @@ def check_growth(
     chain: Chain,
     grow: int,
     attached: Iterable[int] = (),
+    *,
+    in_use: int | None = None,
 ) -> None:
     """Raises OutOfPages when `grow` fresh pages and the committed pages `attached` (prefix
-    caching) would put `chain`'s requester or its user over their quota."""
+    caching) would put `chain`'s requester or its user over their quota. `in_use`, the pages
+    held in the whole pool, bounds what any holder holds: while even all of them and the new
+    ones fit under both quotas, nobody's holdings are counted (a pass takes new pages often)."""
     attached = set(attached)
     if grow <= 0 and not attached:
+        return
+    if in_use is not None and in_use + len(attached) + grow <= quotas.context:
         return
     chains = list(contexts)
     mine = len(held(c for c in chains if c.owner == chain.owner) | attached)
