@@ -161,7 +161,7 @@ class KvCore:
         self.pool.check_room(count - len(chain.reserved), keep=reused)
         grow = max(count - len(chain.reserved), 0)
         check_growth(
-            self.quotas, self.contexts.values(), chain, grow, reused, in_use=self._in_use()
+            self.quotas, self.contexts.values(), chain, grow, reused, in_use=self.pool.in_use
         )
         self.prefix.attach(chain, reuse)
         added, from_reserve = self._take(chain, count)
@@ -372,12 +372,8 @@ class KvCore:
         copy = 1 if count and self._tail_needing_copy(chain, length) is not None else 0
         wanted = self._pages_for(length + count) + copy - len(chain.pages) - len(chain.reserved)
         self.pool.check_room(wanted)
-        check_growth(self.quotas, self.contexts.values(), chain, wanted, in_use=self._in_use())
+        check_growth(self.quotas, self.contexts.values(), chain, wanted, in_use=self.pool.in_use)
         chain.reserved.extend(self.pool.allocate(max(wanted, 0)))
-
-    def _in_use(self) -> int:
-        """Pages some context, snapshot or pass holds (neither empty nor cached)."""
-        return self.pool.num_pages - self.pool.free
 
     def _truncate(self, chain: Chain, count: int) -> None:
         self._quiet(chain, "truncate")

@@ -68,6 +68,11 @@ class PagePool:
     def cached(self) -> int:
         return len(self._cached)
 
+    @property
+    def in_use(self) -> int:
+        """Pages that some context, snapshot or pass holds (neither empty nor cached)."""
+        return self.num_pages - self.free
+
     def check_room(self, count: int, keep: Iterable[int] = ()) -> None:
         """Raises OutOfPages unless `count` pages can be allocated without evicting `keep`."""
         room = self.free - sum(1 for page in set(keep) if page in self._cached)
