@@ -57,9 +57,15 @@ class ModelConfig:
     device: str = field(default="auto", validator=_choice("auto", "cpu", "cuda"))
 
 
+def _graph_sizes(_: object, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+    if any(size < 1 for size in value):
+        raise ValueError(f"{attribute.name} must all be >= 1, got {list(value)}")
+
+
 @frozen(kw_only=True)
 class DriverConfig:
-    """How the driver shares the machine's cores with the engine's other threads."""
+    """Which driver runs the model, and how it shares the machine's cores with the engine's
+    other threads."""
 
     threads: int = field(default=0, validator=_at_least(0))
     """torch's CPU threads; 0: the usable cores minus one (at least 1), leaving a core to the
@@ -67,6 +73,16 @@ class DriverConfig:
     omp_wait_policy: str = field(default="passive", validator=_choice("passive", "active"))
     """OMP_WAIT_POLICY when the environment does not set it: passive threads sleep between
     parallel regions, active ones spin and hold their cores."""
+    backend: str = field(default="auto", validator=_choice("auto", "torch", "cuda"))
+    """Which driver runs the model: cuda (flashinfer's paged kernels and CUDA graphs; needs a
+    GPU, the `cuda` extra and a bfloat16 or float16 model), torch (plain torch on any device),
+    or auto: cuda where it can run, else torch. `pie doctor` says which and why."""
+    cuda_graphs: bool = True
+    """The cuda driver captures decode passes as CUDA graphs at start-up and replays them."""
+    graph_batch_sizes: tuple[int, ...] = field(default=(), validator=_graph_sizes)
+    """Decode batch sizes captured as graphs; a pass replays the smallest that holds it.
+    Empty: 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, as far as
+    [scheduler] max_batch_requests, which is always captured."""
 
 
 @frozen(kw_only=True)

@@ -258,9 +258,9 @@ async def open_engine(
         from pie.drivers.threads import set_wait_policy
 
         set_wait_policy(config.driver)  # before the factory's imports load torch
-        from pie.drivers.factory import build_torch_driver
+        from pie.drivers.factory import build_driver
 
-        built, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
+        built, tokenizer = await trio.to_thread.run_sync(build_driver, config)
         driver = built
     async with trio.open_nursery() as nursery:
         engine = Engine(config, driver, tokenizer, nursery)

@@ -1,6 +1,6 @@
 """`pie`: serve | generate | build | run | submit | list | attach | stop | status | watch |
-publish | push | auth | log | replay | bench. Results go to stdout; progress and logs to stderr.
-The only entry point into this package is `main`; nothing else in pie imports it."""
+publish | push | auth | log | replay | bench | doctor. Results go to stdout; progress and logs
+to stderr. The only entry point into this package is `main`; nothing else in pie imports it."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ RUNNERS = {
     "bench inferlets": "pie.cli.bench.inferlets:run_bench_inferlets",
     "bench tax": "pie.cli.bench.tax:run_bench_tax",
     "bench agents": "pie.cli.bench.agents:run_bench_agents",
+    "bench gpu": "pie.cli.bench.gpu:run_bench_gpu",
+    "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""
 

@@ -23,7 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_auth_parser(commands)
     add_log_parsers(commands)
     add_bench_parsers(commands)
+    add_doctor_parser(commands)
     return parser
+
+
+def add_doctor_parser(commands: Commands) -> None:
+    doctor = commands.add_parser(
+        "doctor", help="the device, the driver the engine would pick and why, and kernel checks"
+    )
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_options(doctor)
 
 
 def add_serve_parser(commands: Commands) -> None:
@@ -157,11 +166,12 @@ def add_bench_parsers(commands: Commands) -> None:
     bench.add_argument("--prefill-tokens", type=int, default=256)
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     add_engine_options(bench)
-    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve | tax | agents]")
+    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve | tax | agents | gpu]")
     _bench_inferlets_parser(suites)
     _bench_agents_parser(suites)
     _bench_tax_parser(suites)
     _bench_serve_parser(suites)
+    _bench_gpu_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -226,3 +236,19 @@ def _bench_serve_parser(suites: Commands) -> None:
     serve.add_argument("--tokens", type=int, default=32, help="max_tokens of each completion")
     serve.add_argument("--server", help="measure this server (ws://HOST:PORT) instead of a new one")
     serve.add_argument("--model", help="model for the started server (default: the configured)")
+
+
+def _bench_gpu_parser(suites: Commands) -> None:
+    gpu = suites.add_parser(
+        "gpu", help="CUDA driver decode and prefill on random-weight models, against the roofline"
+    )
+    gpu.add_argument("--json", action="store_true", help="print one JSON object")
+    gpu.add_argument(
+        "--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], help="model shapes"
+    )
+    gpu.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    gpu.add_argument("--tokens", type=int, default=256, help="decode steps per context")
+    gpu.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length for prefill")
+    gpu.add_argument(
+        "--compare-graphs", action="store_true", help="also decode without CUDA graphs (up to 64)"
+    )

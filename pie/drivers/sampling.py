@@ -98,47 +98,57 @@ def _generator(seed: int | None, device: torch.device, shared: torch.Generator) 
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def read_tokens(
+def _token_tensors(
     logits: torch.Tensor, ops: Sequence[SlotOp], generator: torch.Generator
-) -> dict[int, int]:
-    """Slot index -> token for every sampler slot; one argmax for all greedy slots, one
-    draw per group of identical unseeded samplers, and one host transfer at the end."""
-    slots: list[torch.Tensor] = []
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The sampler slots, in the order their tokens come: one argmax for all greedy slots and
+    one draw per group of identical unseeded samplers, all left on the device."""
+    slots: list[int] = []
     tokens: list[torch.Tensor] = []
     greedy = [i for i, op in enumerate(ops) if isinstance(op, Argmax)]
     if greedy:
         index = torch.tensor(greedy, device=logits.device)
-        slots.append(index)
+        slots.extend(greedy)
         tokens.append(logits.index_select(0, index).argmax(dim=-1))
     for members in _draw_groups(ops).values():
         op = ops[members[0]]
         assert isinstance(op, DRAWS)
         index = torch.tensor(members, device=logits.device)
         gen = _generator(op.seed, logits.device, generator)
-        slots.append(index)
+        slots.extend(members)
         tokens.append(draw(logits.index_select(0, index), op, gen))
-    if not slots:
-        return {}
-    return dict(zip(torch.cat(slots).tolist(), torch.cat(tokens).tolist(), strict=True))
+    return slots, tokens
 
 
-def probe(logits: torch.Tensor, op: Probe) -> SlotOutput:
-    """One probe over one row of logits [V]."""
+def _probe_values(logits: torch.Tensor, op: Probe) -> torch.Tensor:
+    """What one probe reads from one row of logits [V], flattened (left on the device)."""
     match op:
         case Distribution(k=k, temperature=temperature):
-            probs = (logits / temperature).softmax(dim=-1)
-            top = probs.topk(min(k, probs.shape[-1]))
-            return DistributionOutput(
-                tokens=tuple(top.indices.tolist()), probs=tuple(top.values.tolist())
-            )
+            top = (logits / temperature).softmax(dim=-1).topk(min(k, logits.shape[-1]))
+            return torch.cat((top.indices.double(), top.values.double()))
         case RawLogits():
-            return LogitsOutput(values=tuple(logits.tolist()))
+            return logits
         case LogProbs(tokens=wanted):
             index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
-            values = logits.log_softmax(dim=-1).index_select(0, index)
-            return LogProbsOutput(values=tuple(values.tolist()))
+            return logits.log_softmax(dim=-1).index_select(0, index)
         case Entropy():
-            return EntropyOutput(value=float(torch.special.entr(logits.softmax(dim=-1)).sum()))
+            return torch.special.entr(logits.softmax(dim=-1)).sum().view(1)
+    raise AssertionError(f"not a probe: {op!r}")
+
+
+def _probe_output(op: Probe, values: list[float]) -> SlotOutput:
+    match op:
+        case Distribution():
+            half = len(values) // 2
+            return DistributionOutput(
+                tokens=tuple(int(t) for t in values[:half]), probs=tuple(values[half:])
+            )
+        case RawLogits():
+            return LogitsOutput(values=tuple(values))
+        case LogProbs():
+            return LogProbsOutput(values=tuple(values))
+        case Entropy():
+            return EntropyOutput(value=values[0])
     raise AssertionError(f"not a probe: {op!r}")
 
 
@@ -155,13 +165,29 @@ def read_slots(
     generator: torch.Generator,
     allowed: torch.Tensor | None = None,
 ) -> list[SlotOutput]:
-    """One output per slot, in slot order; row i of `logits` [N, V] belongs to ops[i]."""
+    """One output per slot, in slot order; row i of `logits` [N, V] belongs to ops[i].
+
+    Every token and probe value is computed where the logits are and comes back to the host
+    in one copy (float64 holds token ids and float32 values exactly).
+    """
     logits = mask_logits(logits, allowed)
-    tokens = read_tokens(logits, ops, generator)
-    outputs: list[SlotOutput] = []
-    for i, op in enumerate(ops):
-        if isinstance(op, PROBES):
-            outputs.append(probe(logits[i], op))
-        else:
-            outputs.append(TokenOutput(token=tokens[i]))
-    return outputs
+    token_slots, tokens = _token_tensors(logits, ops, generator)
+    parts = [t.double() for t in tokens]
+    probes = [(i, op) for i, op in enumerate(ops) if isinstance(op, PROBES)]
+    sizes = []
+    for i, op in probes:
+        values = _probe_values(logits[i], op)
+        sizes.append(values.numel())
+        parts.append(values.double())
+    if not parts:
+        return []
+    flat: list[float] = torch.cat(parts).cpu().tolist()
+    outputs: list[SlotOutput | None] = [None] * len(ops)
+    for slot, token in zip(token_slots, flat, strict=False):
+        outputs[slot] = TokenOutput(token=int(token))
+    cursor = len(token_slots)
+    for (i, op), size in zip(probes, sizes, strict=True):
+        outputs[i] = _probe_output(op, flat[cursor : cursor + size])
+        cursor += size
+    assert all(out is not None for out in outputs)
+    return outputs  # type: ignore[return-value]

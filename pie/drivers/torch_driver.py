@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from attrs import frozen
@@ -169,13 +170,16 @@ class TorchDriver:
             dtype=str(dtype).removeprefix("torch."),
             threads=torch.get_num_threads(),
         )
-        self.cache = PagedKvCache(_cache_shape(config, page_size, dtype), num_pages, device)
+        self.cache = self._new_cache(_cache_shape(config, page_size, dtype), num_pages, device)
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
         self._stats = DriverStatistics(passes=0, tokens=0, last_pass_seconds=0.0, total_seconds=0.0)
+
+    def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
+        return PagedKvCache(shape, num_pages, device)
 
     @staticmethod
     def pages_for_budget(
@@ -203,20 +207,30 @@ class TorchDriver:
 
     def _run(self, batch: ForwardBatch) -> list[SlotOutput]:
         validate_batch(batch, self.info)
-        attention = PagedAttention(batch, self.cache)
+        prepared = self._prepare(batch)
         allowed = self._allowed_tokens(batch)
         self._copy_pages(batch.copies)
+        logits = self._slot_logits(batch, prepared)
+        if logits is None:
+            return []
+        return read_slots(logits, batch.slot_ops, self.generator, allowed)
+
+    def _prepare(self, batch: ForwardBatch) -> Any:
+        """What the pass needs built before any KV page changes: its attention."""
+        return PagedAttention(batch, self.cache)
+
+    def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
+        """Runs the model over the batch; float32 logits [slots, vocab], None with no slot."""
         device = self.cache.device
         hidden = self.model(
             torch.tensor(batch.token_ids, dtype=torch.long, device=device),
             torch.tensor(batch.positions, dtype=torch.long, device=device),
-            attention,
+            prepared,
         )
         if not batch.slot_ops:
-            return []
+            return None
         slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long, device=device)
-        logits = self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
-        return read_slots(logits, batch.slot_ops, self.generator, allowed)
+        return self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
 
     def _allowed_tokens(self, batch: ForwardBatch) -> torch.Tensor | None:
         """[slots, vocab] bool from each slot's request logit mask; None when none has one."""

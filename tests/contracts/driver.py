@@ -315,7 +315,8 @@ class DriverContract(SamplingContract):
         [plain] = run(driver, request(n, [x], pages))
         difference = (logits_of(masked) - logits_of(plain)).abs().max().item()
         if self.computes_model:
-            assert difference > 100 * self.logit_tolerance
+            floor = self.mask_effect
+            assert difference > (100 * self.logit_tolerance if floor is None else floor)
         else:
             assert difference <= self.logit_tolerance
 

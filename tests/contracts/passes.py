@@ -53,6 +53,9 @@ class DriverRunner:
     logit_tolerance: ClassVar[float]
     """Max abs difference between logits of the same context position computed in passes of a
     different shape (chunking, batching, page placement, masks)."""
+    mask_effect: ClassVar[float | None] = None
+    """How far an attention mask must move a real model's logits for the contract to see it
+    (None: 100 * logit_tolerance; a bfloat16 driver needs a floor of its own)."""
     batch_invariant_tokens: ClassVar[bool] = True
     """Argmax and seeded draws give the same token whatever else shares the pass."""
 

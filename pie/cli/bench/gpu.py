@@ -1,0 +1,272 @@
+"""`pie bench gpu`: the CUDA driver's decode and prefill speed on random-weight models of real
+shapes (nothing to download), next to the bandwidth roofline measured on the same device.
+
+Decode: `concurrency` contexts with short prompts each take `tokens` greedy steps, one pass per
+step with every context in it (EOS never stops them). The roofline of a step is the bytes it
+must read (every weight once, and every context's KV) over the device's measured copy
+bandwidth; the table gives measured tokens/s and the roofline's share of the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from pie.drivers.batch import ForwardBatch
+from pie.drivers.cuda_driver import CudaDriver
+from pie.drivers.loader.config import model_config_from_hf
+from pie.drivers.models import build_model
+from pie.drivers.models.base import CausalLM, ModelConfig
+from pie.drivers.select import load_flashinfer
+from pie.events.sampling import Argmax
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
+}
+PAGE_SIZE = 16
+PROMPT = 32
+
+
+def random_model(shape: str, device: str) -> tuple[CausalLM, ModelConfig]:
+    """A bfloat16 model of `shape` with N(0, 0.02) weights and unit norm scales."""
+    config = model_config_from_hf(SHAPES[shape])
+    model = build_model(config, torch.bfloat16, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval(), config
+
+
+def copy_bandwidth(device: str, gib: int = 2) -> float:
+    """Bytes per second a device-to-device copy moves, counting what it reads and writes."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() / min(times)
+
+
+class Workload:
+    """Contexts placed in the driver's pages the way the kv actor would: each its own run of
+    pages, grown a page at a time."""
+
+    def __init__(self, driver: CudaDriver, contexts: int, length: int) -> None:
+        pages_each = -(-length // PAGE_SIZE)
+        if contexts * pages_each > driver.info.num_pages:
+            raise ValueError(f"{contexts} contexts of {length} tokens exceed the KV pool")
+        self.pages = [tuple(range(i * pages_each, (i + 1) * pages_each)) for i in range(contexts)]
+        self.lengths = [0] * contexts
+        self.last = [1] * contexts
+
+    def prefill(self, driver: CudaDriver, tokens: int, max_batch_tokens: int) -> float:
+        """Seconds to prefill every context with `tokens` random tokens, as many per pass as
+        fit; the last token sampled greedily."""
+        generator = torch.Generator().manual_seed(1)
+        per_pass = max(1, min(max_batch_tokens // tokens, driver.info.max_batch_requests))
+        seconds = 0.0
+        for first in range(0, len(self.pages), per_pass):
+            batch = ForwardBatch()
+            for c in range(first, min(first + per_pass, len(self.pages))):
+                ids = torch.randint(0, driver.info.vocab_size, (tokens,), generator=generator)
+                self._add(batch, c, ids.tolist())
+            seconds += _timed(driver, batch, self)[0]
+        return seconds
+
+    def _add(self, batch: ForwardBatch, c: int, ids: list[int]) -> None:
+        start = self.lengths[c]
+        end = start + len(ids)
+        batch.token_ids.extend(ids)
+        batch.positions.extend(range(start, end))
+        batch.qo_indptr.append(len(batch.token_ids))
+        batch.kv_page_indices.extend(self.pages[c])
+        batch.kv_page_indptr.append(len(batch.kv_page_indices))
+        batch.kv_lens.append(end)
+        batch.masked_pages.append(())
+        batch.attention_masks.append(None)
+        batch.logit_masks.append(None)
+        batch.slot_requests.append(len(batch.kv_lens) - 1)
+        batch.slot_tokens.append(len(batch.token_ids) - 1)
+        batch.slot_ops.append(Argmax())
+        self.lengths[c] = end
+
+    def decode_step(self, driver: CudaDriver) -> tuple[float, int]:
+        batch = ForwardBatch()
+        for c in range(len(self.pages)):
+            self._add(batch, c, [self.last[c]])
+        kv_slots = sum(self.lengths)
+        return _timed(driver, batch, self)[0], kv_slots
+
+
+def _timed(driver: CudaDriver, batch: ForwardBatch, work: Workload) -> tuple[float, None]:
+    start = time.perf_counter()
+    outputs = driver.forward(batch)
+    seconds = time.perf_counter() - start
+    for r, out in zip(batch.slot_requests, outputs, strict=True):
+        work.last[r] = getattr(out, "token", 1)
+    return seconds, None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def decode_figures(
+    driver: CudaDriver, config: ModelConfig, concurrency: int, tokens: int, bandwidth: float
+) -> dict[str, float]:
+    work = Workload(driver, concurrency, PROMPT + tokens + 1)
+    work.prefill(driver, PROMPT, driver.info.max_batch_tokens)
+    for _ in range(3):
+        work.decode_step(driver)
+    steps = [work.decode_step(driver) for _ in range(tokens)]
+    seconds = [s for s, _ in steps]
+    weight_bytes = sum(p.numel() * p.element_size() for p in driver.model.parameters())
+    kv_per_slot = driver.cache.bytes_per_page // PAGE_SIZE
+    mean_kv = statistics.fmean(kv for _, kv in steps)
+    roofline = (weight_bytes + mean_kv * kv_per_slot) / bandwidth
+    step = statistics.median(seconds)
+    return {
+        "concurrency": concurrency,
+        "tokens_per_s": concurrency * len(seconds) / sum(seconds),
+        "step_ms_p50": 1e3 * step,
+        "step_ms_p99": 1e3 * _percentile(seconds, 0.99),
+        "roofline_step_ms": 1e3 * roofline,
+        "roofline_pct": 100 * roofline / step,
+    }
+
+
+def prefill_figures(driver: CudaDriver, prompt: int, contexts: int) -> dict[str, float]:
+    work = Workload(driver, contexts, prompt)
+    Workload(driver, 1, prompt).prefill(driver, prompt, driver.info.max_batch_tokens)
+    seconds = work.prefill(driver, prompt, driver.info.max_batch_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "contexts": contexts,
+        "tokens_per_s": contexts * prompt / seconds,
+    }
+
+
+def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    kernels, version = load_flashinfer()
+    if kernels is None:
+        raise RuntimeError(version)
+    device = "cuda"
+    model, config = random_model(shape, device)
+    most = max(args.concurrency)
+    length = PROMPT + args.tokens + 4
+    num_pages = max(most * -(-length // PAGE_SIZE), 4 * -(-args.prefill_tokens // PAGE_SIZE)) + 8
+    results: dict[str, Any] = {"shape": shape, "flashinfer": version}
+    for graphs in (True, False) if args.compare_graphs else (True,):
+        driver = CudaDriver(
+            model,
+            config,
+            kernels=kernels,
+            page_size=PAGE_SIZE,
+            num_pages=num_pages,
+            max_batch_tokens=max(8192, most),
+            max_batch_requests=most,
+            device=device,
+            dtype=torch.bfloat16,
+            model_name=shape,
+            graph_batch_sizes=() if graphs else None,
+        )
+        key = "decode" if graphs else "decode_eager"
+        concurrency = args.concurrency if graphs else [c for c in args.concurrency if c <= 64]
+        results[key] = [
+            decode_figures(driver, config, c, args.tokens, bandwidth) for c in concurrency
+        ]
+        if graphs:
+            results["prefill"] = prefill_figures(driver, args.prefill_tokens, 4)
+        del driver
+        torch.cuda.empty_cache()
+    return results
+
+
+def _print_table(result: dict[str, Any], out: Any) -> None:
+    print(f"\n{result['shape']} (bfloat16, flashinfer {result['flashinfer']})", file=out)
+    print("  mode    conc  tok/s      p50 ms  p99 ms  roofline ms  % roofline", file=out)
+    for key in ("decode", "decode_eager"):
+        for row in result.get(key, []):
+            print(
+                f"  {'graphs' if key == 'decode' else 'eager':7} {row['concurrency']:4}"
+                f"  {row['tokens_per_s']:9.0f}  {row['step_ms_p50']:6.2f}  "
+                f"{row['step_ms_p99']:6.2f}  {row['roofline_step_ms']:11.3f}  "
+                f"{row['roofline_pct']:9.1f}",
+                file=out,
+            )
+    pre = result["prefill"]
+    print(
+        f"  prefill: {pre['contexts']} x {pre['prompt_tokens']} tokens, "
+        f"{pre['tokens_per_s']:.0f} tokens/s",
+        file=out,
+    )
+
+
+def run_bench_gpu(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("pie bench gpu: no CUDA device", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name()
+    bandwidth = copy_bandwidth("cuda")
+    print(f"{name}: device copy {bandwidth / 1e12:.2f} TB/s (read + write)", file=sys.stderr)
+    report: dict[str, Any] = {"device": name, "copy_bandwidth_tbps": bandwidth / 1e12}
+    report["models"] = []
+    with torch.inference_mode():
+        for shape in args.shapes:
+            result = bench_shape(shape, args, bandwidth)
+            report["models"].append(result)
+            _print_table(result, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(report))
+    return 0

@@ -1,0 +1,101 @@
+"""The CUDA driver: the torch driver's model, checks and samplers, with attention on flashinfer's
+paged kernels and decode passes replayed from CUDA graphs.
+
+A pass is validated, then split into decode, causal and custom-mask groups (paged_plan), each
+planned once from CPU index arrays and reused by every layer. A pass that is all plain decode
+and fits a captured bucket replays that bucket's graph; everything else runs eagerly. Slots are
+sampled and probed on the device and come back in one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pie.drivers.batch import ForwardBatch
+from pie.drivers.cuda_graphs import DecodeGraph, DecodeGraphs, graph_buckets
+from pie.drivers.kvcache import KvCacheShape, PagedKvCache
+from pie.drivers.models.base import CausalLM, ModelConfig
+from pie.drivers.paged_kernels import PagedKernels
+from pie.drivers.paged_plan import AttentionPlan, plan_attention
+from pie.drivers.torch_driver import TorchDriver
+
+
+class CudaDriver(TorchDriver):
+    """A Driver for one CUDA device. `kernels` is the flashinfer module (its two paged
+    wrapper classes are all it uses), which runs bfloat16 and float16 (select.PAGED_DTYPES).
+    `graph_batch_sizes`: the decode buckets to capture (empty: the defaults; None: no CUDA
+    graphs). One page beyond `num_pages` is kept as the graphs' scratch page."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        *,
+        kernels: ModuleType | Any,
+        page_size: int,
+        num_pages: int,
+        max_batch_tokens: int,
+        max_batch_requests: int,
+        device: str,
+        dtype: torch.dtype,
+        model_name: str,
+        graph_batch_sizes: Sequence[int] | None = (),
+        capture: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            config,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_requests=max_batch_requests,
+            device=device,
+            dtype=dtype,
+            model_name=model_name,
+            seed=seed,
+        )
+        self.kernels = PagedKernels(
+            kernels, self.cache, num_heads=config.num_heads, device=self.cache.device
+        )
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch_sizes is not None:
+            self.graphs = DecodeGraphs(
+                model,
+                self.kernels,
+                buckets=graph_buckets(graph_batch_sizes, max_batch_requests),
+                scratch_page=num_pages,
+                max_pages_per_request=-(-config.max_position_embeddings // page_size),
+            )
+            if capture:
+                with torch.inference_mode():
+                    self.graphs.capture()
+
+    def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
+        return PagedKvCache(shape, num_pages + 1, device)
+
+    def _prepare(self, batch: ForwardBatch) -> Any:
+        plan = plan_attention(batch, self.info.page_size)
+        graph = self._graph_for(plan)
+        if graph is not None:
+            graph.prepare(batch.token_ids, batch.positions, plan.write_rows, plan.groups[0])
+            return graph
+        return self.kernels.attention(plan, batch.num_tokens)
+
+    def _graph_for(self, plan: AttentionPlan) -> DecodeGraph | None:
+        if self.graphs is None or not plan.is_decode_only:
+            return None
+        return self.graphs.for_group(plan.groups[0])
+
+    def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
+        if not isinstance(prepared, DecodeGraph):
+            return super()._slot_logits(batch, prepared)
+        logits = prepared.replay()
+        if not batch.slot_ops:
+            return None
+        slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long)
+        return logits.index_select(0, slot_tokens.to(logits.device, non_blocking=True))
