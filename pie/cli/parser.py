@@ -252,3 +252,6 @@ def _bench_gpu_parser(suites: Commands) -> None:
     gpu.add_argument(
         "--compare-graphs", action="store_true", help="also decode without CUDA graphs (up to 64)"
     )
+    gpu.add_argument(
+        "--profile", type=int, default=0, metavar="ROWS", help="print a host profile's top rows"
+    )

@@ -77,6 +77,9 @@ class DecodeGraph:
         self.wrapper = kernels.decode_wrapper(self.buffers)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        """Marks the copy out of `host`, which must end before `host` is written again (a
+        pass with no slot never waits for the device)."""
 
     def fits(self, group: PagedGroup) -> bool:
         return group.num_requests <= self.size and len(group.kv_indices) < self.max_indices
@@ -89,6 +92,8 @@ class DecodeGraph:
         group: PagedGroup,
     ) -> None:
         """Fills the static buffers for `group` (its requests in batch order) and plans it."""
+        if self._copied is not None:
+            self._copied.synchronize()
         n = len(tokens)
         pad = self.size - n
         scratch_row = self.scratch_page * 2 * self.kernels.cache.page_size
@@ -103,6 +108,9 @@ class DecodeGraph:
             )
         )
         self.inputs.copy_(self.host, non_blocking=True)
+        if self.inputs.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.kernels.plan_decode(self.wrapper, *padded_decode(group, self.size, self.scratch_page))
 
     def _forward(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pie.drivers.cuda_driver import CudaDriver
 from pie.drivers.loader.config import model_config_from_hf
 from pie.drivers.models import build_model
 from pie.drivers.models.base import CausalLM, ModelConfig
+from pie.drivers.paged_plan import bucket_for
 from pie.drivers.select import load_flashinfer
 from pie.events.sampling import Argmax
 
@@ -65,6 +66,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 PAGE_SIZE = 16
 PROMPT = 32
+SPARE_STEPS = 32
+"""Decode steps a context has room for beyond the measured ones (warm-up, profile)."""
 
 
 def random_model(shape: str, device: str) -> tuple[CausalLM, ModelConfig]:
@@ -163,9 +166,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def decode_figures(
-    driver: CudaDriver, config: ModelConfig, concurrency: int, tokens: int, bandwidth: float
+    driver: CudaDriver,
+    concurrency: int,
+    tokens: int,
+    bandwidth: float,
+    profile_rows: int = 0,
 ) -> dict[str, float]:
-    work = Workload(driver, concurrency, PROMPT + tokens + 1)
+    work = Workload(driver, concurrency, PROMPT + tokens + SPARE_STEPS)
     work.prefill(driver, PROMPT, driver.info.max_batch_tokens)
     for _ in range(3):
         work.decode_step(driver)
@@ -176,6 +183,8 @@ def decode_figures(
     mean_kv = statistics.fmean(kv for _, kv in steps)
     roofline = (weight_bytes + mean_kv * kv_per_slot) / bandwidth
     step = statistics.median(seconds)
+    if profile_rows:
+        _profile(driver, work, profile_rows)
     return {
         "concurrency": concurrency,
         "tokens_per_s": concurrency * len(seconds) / sum(seconds),
@@ -183,7 +192,38 @@ def decode_figures(
         "step_ms_p99": 1e3 * _percentile(seconds, 0.99),
         "roofline_step_ms": 1e3 * roofline,
         "roofline_pct": 100 * roofline / step,
+        "graph_ms": 1e3 * _replay_seconds(driver, concurrency),
     }
+
+
+def _replay_seconds(driver: CudaDriver, concurrency: int) -> float:
+    """The device time of one decode step alone: the bucket's graph replayed back to back
+    (nan without graphs). What a step takes beyond it is host time the device waits for."""
+    if driver.graphs is None:
+        return float("nan")
+    graph = driver.graphs.graphs[bucket_for(concurrency, driver.graphs.buckets) or 0]
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 20
+
+
+def _profile(driver: CudaDriver, work: Workload, rows: int) -> None:
+    """Where the host's time goes in 20 decode steps: the functions with the most time of
+    their own, to stderr."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        work.decode_step(driver)
+    profiler.disable()
+    print(f"host profile, {len(work.pages)} contexts, 20 steps:", file=sys.stderr)
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(rows)
 
 
 def prefill_figures(driver: CudaDriver, prompt: int, contexts: int) -> dict[str, float]:
@@ -204,7 +244,7 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
     device = "cuda"
     model, config = random_model(shape, device)
     most = max(args.concurrency)
-    length = PROMPT + args.tokens + 4
+    length = PROMPT + args.tokens + SPARE_STEPS
     num_pages = max(most * -(-length // PAGE_SIZE), 4 * -(-args.prefill_tokens // PAGE_SIZE)) + 8
     results: dict[str, Any] = {"shape": shape, "flashinfer": version}
     for graphs in (True, False) if args.compare_graphs else (True,):
@@ -224,7 +264,8 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         key = "decode" if graphs else "decode_eager"
         concurrency = args.concurrency if graphs else [c for c in args.concurrency if c <= 64]
         results[key] = [
-            decode_figures(driver, config, c, args.tokens, bandwidth) for c in concurrency
+            decode_figures(driver, c, args.tokens, bandwidth, args.profile if graphs else 0)
+            for c in concurrency
         ]
         if graphs:
             results["prefill"] = prefill_figures(driver, args.prefill_tokens, 4)
@@ -235,14 +276,14 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
 
 def _print_table(result: dict[str, Any], out: Any) -> None:
     print(f"\n{result['shape']} (bfloat16, flashinfer {result['flashinfer']})", file=out)
-    print("  mode    conc  tok/s      p50 ms  p99 ms  roofline ms  % roofline", file=out)
+    print("  mode    conc  tok/s      p50 ms  p99 ms  graph ms  roofline ms  % roofline", file=out)
     for key in ("decode", "decode_eager"):
         for row in result.get(key, []):
             print(
                 f"  {'graphs' if key == 'decode' else 'eager':7} {row['concurrency']:4}"
                 f"  {row['tokens_per_s']:9.0f}  {row['step_ms_p50']:6.2f}  "
-                f"{row['step_ms_p99']:6.2f}  {row['roofline_step_ms']:11.3f}  "
-                f"{row['roofline_pct']:9.1f}",
+                f"{row['step_ms_p99']:6.2f}  {row['graph_ms']:8.3f}  "
+                f"{row['roofline_step_ms']:11.3f}  {row['roofline_pct']:9.1f}",
                 file=out,
             )
     pre = result["prefill"]
