@@ -134,3 +134,59 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
                 mask = torch.ones(n, kv_len, dtype=torch.bool)
             out[qo[r] : qo[r + 1]] = self._attend(q[qo[r] : qo[r + 1]], k, v, mask)
         return out
+
+
+def _rmsnorm(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
+    enable_pdl: bool | None = None,
+) -> torch.Tensor:
+    x = input.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(
+        input.dtype
+    )
+    if out is None:
+        return normed
+    out.copy_(normed)
+    return out
+
+
+def _fused_add_rmsnorm(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    enable_pdl: bool | None = None,
+) -> None:
+    residual.add_(input)
+    input.copy_(_rmsnorm(residual, weight, eps))
+
+
+def _apply_rope_with_cos_sin_cache_inplace(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    assert is_neox and cos_sin_cache.dtype == torch.float32
+    half = cos_sin_cache.shape[-1] // 2
+    cos = cos_sin_cache[positions, :half][:, None, :]
+    sin = cos_sin_cache[positions, half:][:, None, :]
+    for x in (query, key):
+        heads = x.view(x.shape[0], -1, head_size)
+        first, second = heads[..., :half].float(), heads[..., half:].float()
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        heads.copy_(rotated.to(heads.dtype))
+
+
+class norm:  # noqa: N801  (stands for the flashinfer.norm module)
+    rmsnorm = staticmethod(_rmsnorm)
+    fused_add_rmsnorm = staticmethod(_fused_add_rmsnorm)
+
+
+class rope:  # noqa: N801  (stands for the flashinfer.rope module)
+    apply_rope_with_cos_sin_cache_inplace = staticmethod(_apply_rope_with_cos_sin_cache_inplace)

@@ -147,7 +147,9 @@ class TestCudaDriverOnFlashinfer(_CudaDriverRunner):
     computes_model = True
     reference_tolerance = 0.25
     """Twice the largest gap seen between a bfloat16 run and transformers in float32 (0.13)."""
-    logit_tolerance = 0.03
+    logit_tolerance = 0.06
+    """Twice the largest gap seen in bfloat16 between one position computed in passes of
+    different shapes (0.032)."""
     mask_effect = 0.5
     batch_invariant_tokens = False
     device = "cuda"

@@ -17,6 +17,7 @@ import torch
 
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.cuda_graphs import DecodeGraph, DecodeGraphs, graph_buckets
+from pie.drivers.fused_layers import layer_kernels_for
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache
 from pie.drivers.models.base import CausalLM, ModelConfig
 from pie.drivers.paged_kernels import PagedKernels
@@ -26,7 +27,8 @@ from pie.drivers.torch_driver import TorchDriver
 
 class CudaDriver(TorchDriver):
     """A Driver for one CUDA device. `kernels` is the flashinfer module (its two paged
-    wrapper classes are all it uses), which runs bfloat16 and float16 (select.PAGED_DTYPES).
+    wrapper classes, and its norm and rope kernels, which the model is switched to), which
+    runs bfloat16 and float16 (select.PAGED_DTYPES).
     `graph_batch_sizes`: the decode buckets to capture (empty: the defaults; None: no CUDA
     graphs). One page beyond `num_pages` is kept as the graphs' scratch page."""
 
@@ -59,6 +61,7 @@ class CudaDriver(TorchDriver):
             model_name=model_name,
             seed=seed,
         )
+        model.use_kernels(layer_kernels_for(kernels))
         self.kernels = PagedKernels(
             kernels, self.cache, num_heads=config.num_heads, device=self.cache.device
         )

@@ -64,6 +64,13 @@ class CausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab_size] (float32)."""
         raise NotImplementedError
 
+    def use_kernels(self, kernels: Any) -> None:
+        """Runs the layers' small operations on `kernels` (a layers.LayerKernels): every
+        module that has a `kernels` attribute gets it."""
+        for module in self.modules():
+            if hasattr(type(module), "kernels"):
+                module.kernels = kernels
+
 
 MODEL_REGISTRY: dict[str, Callable[[ModelConfig], CausalLM]] = {}
 

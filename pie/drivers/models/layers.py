@@ -17,8 +17,44 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
+class LayerKernels:
+    """The small operations of a decoder layer (norms, the residual add, rotary embedding) as
+    plain torch ops. A driver with fused kernels for them hands the model its own subclass
+    (CausalLM.use_kernels): on a GPU each torch op is a kernel launch, and a layer of them costs
+    more than its matrix products at small batches."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        # Scaling after the cast back matches the reference models bit for bit in bf16.
+        return weight * x.to(dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding) -> Any:
+        """What `rotate` needs for a batch's positions, looked up once for every layer."""
+        return rotary(positions)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rope: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated (the "rotate_half" layout)."""
+        return apply_rotary(q, rope), apply_rotary(k, rope)
+
+
+TORCH_KERNELS = LayerKernels()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32."""
+
+    kernels: LayerKernels = TORCH_KERNELS
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,11 +62,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Scaling after the cast back matches the reference models bit for bit in bf16.
-        return self.weight * x.to(dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x + residual, and x + residual (the next residual)."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

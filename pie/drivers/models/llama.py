@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from pie.drivers.models.base import AttentionFn, CausalLM, ModelConfig, register
 from pie.drivers.models.layers import (
+    TORCH_KERNELS,
     GatedMLP,
+    LayerKernels,
     RMSNorm,
-    Rope,
     RotaryEmbedding,
-    apply_rotary,
     qkv_projection,
 )
 
@@ -21,6 +23,7 @@ class LlamaAttention(nn.Module):
 
     o_proj_bias: bool | None = None
     """None: follow config.attention_bias; an architecture may pin it."""
+    kernels: LayerKernels = TORCH_KERNELS
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -47,10 +50,10 @@ class LlamaAttention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
         )
 
-    def forward(self, hidden: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: Any, attention: AttentionFn) -> torch.Tensor:
         q, k, v = self.project(hidden)
-        out = attention(self.layer_idx, apply_rotary(q, rope), apply_rotary(k, rope), v)
-        return self.o_proj(out.flatten(1))
+        q, k = self.kernels.rotate(q, k, rope)
+        return self.o_proj(attention(self.layer_idx, q, k, v).flatten(1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -65,13 +68,29 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Any,
+        attention: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it is added: the next layer adds
+        them inside its first norm, where a fused kernel does both at once."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, rope, attention)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     """Token embeddings, the decoder stack and the final norm."""
+
+    kernels: LayerKernels = TORCH_KERNELS
 
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
@@ -91,10 +110,13 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions)
+        rope = self.kernels.rope(positions, self.rotary_emb)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope, attention)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, attention)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 @register("llama")
