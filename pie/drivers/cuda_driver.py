@@ -61,7 +61,8 @@ class CudaDriver(TorchDriver):
             model_name=model_name,
             seed=seed,
         )
-        model.use_kernels(layer_kernels_for(kernels))
+        self.layer_kernels = layer_kernels_for(kernels)
+        model.use_kernels(self.layer_kernels)
         self.kernels = PagedKernels(
             kernels, self.cache, num_heads=config.num_heads, device=self.cache.device
         )

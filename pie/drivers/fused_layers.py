@@ -18,7 +18,6 @@ class FlashinferLayerKernels(LayerKernels):
     def __init__(self, flashinfer: ModuleType | Any) -> None:
         self.norm = flashinfer.norm
         self.apply_rope = flashinfer.rope.apply_rope_with_cos_sin_cache_inplace
-        self._tables: dict[int, torch.Tensor] = {}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 3:  # [T, heads, head_dim]: per-head norms
@@ -35,11 +34,7 @@ class FlashinferLayerKernels(LayerKernels):
         return x, residual
 
     def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding) -> Any:
-        table = self._tables.get(id(rotary))
-        if table is None:
-            table = torch.cat((rotary.cos, rotary.sin), dim=-1).float().contiguous()
-            self._tables[id(rotary)] = table
-        return positions, table
+        return positions, rotary.cos_sin_table()
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, rope: Any

@@ -118,6 +118,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> Rope:
         return self.cos[positions], self.sin[positions]
 
+    def cos_sin_table(self) -> torch.Tensor:
+        """[max_positions, head_dim] float32: cos in the first half, sin in the second, made
+        once and kept with the model (a captured CUDA graph reads it on every replay)."""
+        table: torch.Tensor | None = getattr(self, "_cos_sin", None)
+        if table is None:
+            table = torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
+            self._cos_sin = table
+        return table
+
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] in the "rotate_half" layout (first half pairs with second)."""
