@@ -129,3 +129,16 @@ def test_run_reports_a_failing_inferlet_on_stderr(
 def test_run_names_a_missing_component(tmp_path: Path) -> None:
     done = pie("run", str(tmp_path / "nowhere.wasm"))
     assert done.returncode == 2 and "nowhere.wasm" in done.stderr and done.stdout == ""
+
+
+@pytest.mark.integration
+def test_doctor_names_the_driver_and_why() -> None:
+    done = pie("doctor", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert {"torch", "cuda_available", "driver", "reason"} <= set(report)
+    if not report["cuda_available"]:
+        assert report["driver"] == "torch" and "not a CUDA GPU" in report["reason"]
+    on_cpu = pie("doctor", "--device", "cpu", "--dtype", "bfloat16")
+    assert on_cpu.returncode == 0 and "driver: torch" in on_cpu.stdout
+    assert "the device is cpu" in on_cpu.stdout
