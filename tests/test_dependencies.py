@@ -1,5 +1,6 @@
 """Every library pie imports at run time is declared in pyproject.toml, every declared version is
-pinned exactly, and each pin is the one requirements.lock installs."""
+pinned exactly, and each pin is the one requirements.lock installs (the extras for hardware this
+install does not have, `cuda`, are pinned but left out of the lock, the CPU install)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+HARDWARE_EXTRAS = {"cuda"}
 
 
 def _normal(name: str) -> str:
@@ -31,9 +33,14 @@ def _pins(requirements: list[str]) -> dict[str, str]:
     return pins
 
 
-def _declared() -> dict[str, str]:
+def _declared(*, hardware: bool = False) -> dict[str, str]:
     project = PYPROJECT["project"]
-    extras = [r for group in project["optional-dependencies"].values() for r in group]
+    extras = [
+        r
+        for name, group in project["optional-dependencies"].items()
+        if hardware or name not in HARDWARE_EXTRAS
+        for r in group
+    ]
     return _pins([*project["dependencies"], *extras])
 
 
@@ -62,6 +69,10 @@ def test_every_runtime_import_is_a_declared_dependency() -> None:
         if not {_normal(d) for d in distributions.get(module, [])} & runtime
     }
     assert missing == {}
+
+
+def test_hardware_extras_are_pinned_too() -> None:
+    assert set(_declared(hardware=True)) > set(_declared())
 
 
 def test_every_declared_pin_is_the_locked_one() -> None:
