@@ -57,11 +57,6 @@ class ModelConfig:
     device: str = field(default="auto", validator=_choice("auto", "cpu", "cuda"))
 
 
-def _graph_sizes(_: object, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
-    if any(size < 1 for size in value):
-        raise ValueError(f"{attribute.name} must all be >= 1, got {list(value)}")
-
-
 @frozen(kw_only=True)
 class DriverConfig:
     """Which driver runs the model, and how it shares the machine's cores with the engine's
@@ -79,7 +74,9 @@ class DriverConfig:
     or auto: cuda where it can run, else torch. `pie doctor` says which and why."""
     cuda_graphs: bool = True
     """The cuda driver captures decode passes as CUDA graphs at start-up and replays them."""
-    graph_batch_sizes: tuple[int, ...] = field(default=(), validator=_graph_sizes)
+    graph_batch_sizes: tuple[int, ...] = field(
+        default=(), validator=attrs.validators.deep_iterable(_at_least(1))
+    )
     """Decode batch sizes captured as graphs; a pass replays the smallest that holds it.
     Empty: 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, as far as
     [scheduler] max_batch_requests, which is always captured."""

@@ -60,7 +60,7 @@ def test_a_mixed_pass_splits_into_groups_that_keep_their_tokens() -> None:
     assert kinds[GroupKind.DECODE].tokens == [3]
     custom = kinds[GroupKind.CUSTOM]
     assert custom.tokens == [4, 5]
-    assert custom.mask == [True, False, True, False, True, False, True, True]
+    assert custom.flat_mask().tolist() == [True, False, True, False, True, False, True, True]
     assert custom.blind == []
 
 
@@ -75,7 +75,7 @@ def test_a_masked_page_under_the_new_token_needs_an_explicit_mask() -> None:
     batch = ForwardBatch.from_requests([_request(4, 1, (1, 2), masked_pages=(1,))])
     [group] = plan_attention(batch, PAGE).groups
     assert group.kind is GroupKind.CUSTOM
-    assert group.mask == [True] * 4 + [False]
+    assert group.flat_mask().tolist() == [True] * 4 + [False]
     blind = ForwardBatch.from_requests([_request(0, 1, (1,), masked_pages=(0,))])
     assert plan_attention(blind, PAGE).groups[0].blind == [0]
 

@@ -50,7 +50,7 @@ def check_kernels(kernels: Any, head_dims: tuple[int, ...] = (64, 128)) -> dict[
             group = PagedGroup(kind=kind, tokens=list(range(tokens)), qo_indptr=[0, tokens])
             group.kv_indptr, group.kv_indices, group.last_page_len = [0, 2], [0, 1], [4]
             if kind is GroupKind.CUSTOM:
-                group.mask = [j % 3 != 1 for j in range(tokens * 20)]
+                group.masks = [torch.arange(tokens * 20).view(tokens, 20) % 3 != 1]
             started = time.perf_counter()
             try:
                 wrapper = paged.plan_group(group)

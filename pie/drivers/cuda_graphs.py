@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pie.drivers.models.base import CausalLM
-from pie.drivers.paged_kernels import PagedKernels
+from pie.drivers.paged_kernels import PagedKernelAttention, PagedKernels, PlannedGroup
 from pie.drivers.paged_plan import GroupKind, PagedGroup, bucket_for, padded_decode
 
 if TYPE_CHECKING:
@@ -29,22 +29,6 @@ def graph_buckets(configured: Sequence[int], max_batch_requests: int) -> tuple[i
         raise ValueError(f"graph batch sizes must be >= 1, got {list(chosen)}")
     kept = {size for size in chosen if size < max_batch_requests}
     return tuple(sorted(kept | {max_batch_requests}))
-
-
-class _StaticAttention:
-    """Decode attention over fixed buffers: what a graph captures."""
-
-    def __init__(self, kernels: PagedKernels, write_rows: torch.Tensor, wrapper: object) -> None:
-        self.cache = kernels.cache
-        self.write_rows = write_rows
-        self.wrapper = wrapper
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        self.cache.write(layer, self.write_rows, k, v)
-        pages = self.cache.layer(layer)
-        return self.wrapper.run(q.to(pages.dtype), pages)  # type: ignore[attr-defined]
 
 
 class DecodeGraph:
@@ -114,7 +98,8 @@ class DecodeGraph:
         self.kernels.plan_decode(self.wrapper, *padded_decode(group, self.size, self.scratch_page))
 
     def _forward(self) -> torch.Tensor:
-        attention = _StaticAttention(self.kernels, self.inputs[2], self.wrapper)
+        planned = [PlannedGroup(self.wrapper)]
+        attention = PagedKernelAttention(self.kernels.cache, self.inputs[2], planned)
         hidden = self.model(self.inputs[0], self.inputs[1], attention)
         return self.model.compute_logits(hidden)
 

@@ -4,101 +4,72 @@ model, KV pool size, and for the CUDA driver its paged kernels and CUDA graphs."
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
 from pie.config import EngineConfig
 from pie.drivers.base import Driver
-from pie.drivers.loader import LoadedModel, load_model
+from pie.drivers.loader import load_model
 from pie.drivers.select import DriverChoice, choose_driver, load_flashinfer, pick_device, pick_dtype
 from pie.drivers.threads import set_threads
 from pie.drivers.tokenizer import Tokenizer
 from pie.drivers.torch_driver import TorchDriver
 
-__all__ = ["build_driver", "build_torch_driver", "pick_device", "pick_dtype"]
+__all__ = ["build_driver", "build_torch_driver"]
 
 
 def build_driver(config: EngineConfig) -> tuple[Driver, Tokenizer]:
     """The driver `choose_driver` picks for `config`, with the model loaded onto it."""
-    choice = choose_driver(config)
-    if choice.driver == "torch":
-        return build_torch_driver(config)
-    return _build_cuda_driver(config, choice)
+    return _build(config, choose_driver(config))
 
 
 def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
-    threads = set_threads(config.driver)
+    """The torch driver on the configured device, whatever else could run."""
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
-    loaded = load_model(config.model.path, dtype, device)
-    num_pages = _num_pages(config, loaded, device, dtype)
-    _announce(
-        loaded,
-        device,
-        dtype,
-        f"{threads} CPU thread{'s' if threads > 1 else ''}",
-        num_pages,
-        config,
-    )
-    driver = TorchDriver(
-        loaded.model,
-        loaded.config,
-        page_size=config.kv.page_size,
-        num_pages=num_pages,
-        max_batch_tokens=config.scheduler.max_batch_tokens,
-        max_batch_requests=config.scheduler.max_batch_requests,
-        device=device,
-        dtype=dtype,
-        model_name=loaded.name,
-    )
-    return driver, loaded.tokenizer
+    return _build(config, DriverChoice(driver="torch", device=device, dtype=dtype, reason=""))
 
 
-def _build_cuda_driver(config: EngineConfig, choice: DriverChoice) -> tuple[Driver, Tokenizer]:
-    from pie.drivers.cuda_driver import CudaDriver
-
-    set_threads(config.driver)
-    kernels, version = load_flashinfer()
-    assert kernels is not None, version
+def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tokenizer]:
+    threads = set_threads(config.driver)
     loaded = load_model(config.model.path, choice.dtype, choice.device)
-    num_pages = _num_pages(config, loaded, choice.device, choice.dtype)
-    _announce(
-        loaded, choice.device, choice.dtype, f"CUDA driver, flashinfer {version}", num_pages, config
-    )
-    driver = CudaDriver(
-        loaded.model,
+    kv = config.kv
+    num_pages = kv.num_pages or TorchDriver.pages_for_budget(
         loaded.config,
-        kernels=kernels,
-        page_size=config.kv.page_size,
+        budget_bytes=_kv_budget(config, choice.device),
+        page_size=kv.page_size,
+        dtype=choice.dtype,
+    )
+    common: dict[str, Any] = dict(
+        page_size=kv.page_size,
         num_pages=num_pages,
         max_batch_tokens=config.scheduler.max_batch_tokens,
         max_batch_requests=config.scheduler.max_batch_requests,
         device=choice.device,
         dtype=choice.dtype,
         model_name=loaded.name,
-        graph_batch_sizes=config.driver.graph_batch_sizes if config.driver.cuda_graphs else None,
+    )
+    if choice.driver == "torch":
+        how = f"{threads} CPU thread{'s' if threads > 1 else ''}"
+        _announce(loaded.name, choice, how, num_pages, kv.page_size)
+        return TorchDriver(loaded.model, loaded.config, **common), loaded.tokenizer
+    from pie.drivers.cuda_driver import CudaDriver
+
+    kernels, version = load_flashinfer()
+    assert kernels is not None, version
+    _announce(loaded.name, choice, f"CUDA driver, flashinfer {version}", num_pages, kv.page_size)
+    graphs = config.driver.graph_batch_sizes if config.driver.cuda_graphs else None
+    driver = CudaDriver(
+        loaded.model, loaded.config, kernels=kernels, graph_batch_sizes=graphs, **common
     )
     return driver, loaded.tokenizer
 
 
-def _num_pages(config: EngineConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> int:
-    kv = config.kv
-    return kv.num_pages or TorchDriver.pages_for_budget(
-        loaded.config, budget_bytes=_kv_budget(config, device), page_size=kv.page_size, dtype=dtype
-    )
-
-
-def _announce(
-    loaded: LoadedModel,
-    device: str,
-    dtype: torch.dtype,
-    how: str,
-    num_pages: int,
-    config: EngineConfig,
-) -> None:
+def _announce(name: str, choice: DriverChoice, how: str, num_pages: int, page_size: int) -> None:
     print(
-        f"pie: {loaded.name} on {device} ({str(dtype).removeprefix('torch.')}, {how}), "
-        f"{num_pages} KV pages of {config.kv.page_size} tokens",
+        f"pie: {name} on {choice.device} ({str(choice.dtype).removeprefix('torch.')}, {how}), "
+        f"{num_pages} KV pages of {page_size} tokens",
         file=sys.stderr,
     )
 

@@ -92,8 +92,7 @@ class PagedKernels:
             return wrapper
         mask = None
         if group.kind is GroupKind.CUSTOM:
-            assert group.mask is not None
-            mask = torch.tensor(group.mask, dtype=torch.bool).to(self.device, non_blocking=True)
+            mask = group.flat_mask().to(self.device, non_blocking=True)
         dtype = self.cache.shape.dtype
         wrapper.plan(
             _ints(group.qo_indptr),
@@ -109,25 +108,32 @@ class PagedKernels:
         return wrapper
 
     def attention(self, plan: AttentionPlan, num_tokens: int) -> PagedKernelAttention:
-        return PagedKernelAttention(self, plan, num_tokens)
+        """The batch's attention: every group planned, its write rows on the device."""
+        rows = torch.tensor(plan.write_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        planned = [PlannedGroup.plan(self, group, num_tokens) for group in plan.groups]
+        return PagedKernelAttention(self.cache, rows, planned)
 
 
-class _Planned:
-    """One group, planned: its wrapper, and the device indices of its tokens (None when the
-    group is the whole batch in order) and of its blind tokens."""
+class PlannedGroup:
+    """A planned wrapper, the device indices of its tokens (None: the whole batch in order)
+    and of its tokens that see nothing (None: none do)."""
 
-    def __init__(self, kernels: PagedKernels, group: PagedGroup, num_tokens: int) -> None:
-        device = kernels.device
-        self.wrapper = kernels.plan_group(group)
-        self.tokens = (
-            None
-            if group.is_whole(num_tokens)
-            else torch.tensor(group.tokens, dtype=torch.long).to(device, non_blocking=True)
-        )
-        self.blind = (
-            torch.tensor(group.blind, dtype=torch.long).to(device, non_blocking=True)
-            if group.blind
-            else None
+    def __init__(
+        self, wrapper: Any, tokens: torch.Tensor | None = None, blind: torch.Tensor | None = None
+    ) -> None:
+        self.wrapper = wrapper
+        self.tokens = tokens
+        self.blind = blind
+
+    @classmethod
+    def plan(cls, kernels: PagedKernels, group: PagedGroup, num_tokens: int) -> PlannedGroup:
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(kernels.device, non_blocking=True)
+
+        return cls(
+            kernels.plan_group(group),
+            None if group.is_whole(num_tokens) else on_device(group.tokens),
+            on_device(group.blind) if group.blind else None,
         )
 
     def run(self, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -138,15 +144,15 @@ class _Planned:
 
 
 class PagedKernelAttention:
-    """The AttentionFn of one batch on the paged kernels (see models.base.AttentionFn)."""
+    """The AttentionFn of one batch on the paged kernels (see models.base.AttentionFn): each
+    layer's new K/V written at `write_rows`, then every group attended."""
 
-    def __init__(self, kernels: PagedKernels, plan: AttentionPlan, num_tokens: int) -> None:
-        self.cache = kernels.cache
-        device = kernels.device
-        self.write_rows = torch.tensor(plan.write_rows, dtype=torch.long).to(
-            device, non_blocking=True
-        )
-        self.planned = [_Planned(kernels, group, num_tokens) for group in plan.groups]
+    def __init__(
+        self, cache: PagedKvCache, write_rows: torch.Tensor, planned: list[PlannedGroup]
+    ) -> None:
+        self.cache = cache
+        self.write_rows = write_rows
+        self.planned = planned
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

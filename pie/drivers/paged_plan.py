@@ -1,16 +1,18 @@
 """How one batch is attended by paged kernels (flashinfer's wrappers): its requests split into
 decode, causal and custom-mask groups, each described by the CSR index arrays the kernels plan
-from, and the KV row every new token is written to. Pure Python: no device work, no torch."""
+from, and the KV row every new token is written to. Host work only: lists, and CPU tensors for the
+custom masks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
 
+import torch
 from attrs import define, field, frozen
 
+from pie.drivers.attention import rle_rows
 from pie.drivers.batch import ForwardBatch
-from pie.events.sampling import rle_to_bools
 
 
 class GroupKind(Enum):
@@ -32,8 +34,8 @@ class PagedGroup:
     kv_indptr, kv_indices, last_page_len: the pages each request attends, in order, and how
     many slots of its last page are filled; pages wholly masked are left out where that is
     exact (they lie before the request's first new token).
-    mask: for CUSTOM, each request's [new tokens, kv_len] visibility, flattened row-major and
-    concatenated; None otherwise.
+    masks: for CUSTOM, each request's [new tokens, kv_len] visibility (see `flat_mask`); None
+    otherwise.
     blind: indices into `tokens` of tokens that see no slot at all (their output is zero).
     """
 
@@ -43,12 +45,17 @@ class PagedGroup:
     kv_indptr: list[int] = field(factory=lambda: [0])
     kv_indices: list[int] = field(factory=list)
     last_page_len: list[int] = field(factory=list)
-    mask: list[bool] | None = None
+    masks: list[torch.Tensor] | None = None
     blind: list[int] = field(factory=list)
 
     @property
     def num_requests(self) -> int:
         return len(self.last_page_len)
+
+    def flat_mask(self) -> torch.Tensor:
+        """The masks flattened row-major and concatenated, as the prefill kernel takes them."""
+        assert self.masks is not None, "only a CUSTOM group has masks"
+        return torch.cat([mask.reshape(-1) for mask in self.masks])
 
     def is_whole(self, num_tokens: int) -> bool:
         """Whether the group is every token of the batch in batch order (no gather needed)."""
@@ -75,25 +82,20 @@ def _request_pages(batch: ForwardBatch, r: int, page_size: int) -> list[int]:
     return pages[: -(-batch.kv_lens[r] // page_size)]
 
 
-def _visibility(batch: ForwardBatch, r: int, page_size: int) -> list[bool]:
-    """Request r's [n, kv_len] mask, row-major: causal by slot, custom masks, masked pages."""
-    start, end = batch.qo_indptr[r], batch.qo_indptr[r + 1]
-    n, kv_len = end - start, batch.kv_lens[r]
-    hidden_pages = set(batch.masked_pages[r])
-    shown = [(j // page_size) not in hidden_pages for j in range(kv_len)]
+def _visibility(batch: ForwardBatch, r: int, page_size: int) -> torch.Tensor:
+    """Request r's [n, kv_len] bool mask: causal by slot, custom masks, masked pages."""
+    n, kv_len = batch.qo_indptr[r + 1] - batch.qo_indptr[r], batch.kv_lens[r]
+    slots = torch.arange(kv_len)
+    seen = slots[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+    hidden = [p for p in batch.masked_pages[r] if p * page_size < kv_len]
+    if hidden:
+        shown = torch.ones(-(-kv_len // page_size), dtype=torch.bool)
+        shown[hidden] = False
+        seen &= shown[slots // page_size][None, :]
     masks = batch.attention_masks[r]
-    rows: list[bool] = []
-    for t in range(n):
-        slot = kv_len - n + t
-        if masks is None:
-            custom = [True] * (slot + 1) + [False] * (kv_len - slot - 1)
-        else:
-            runs = masks[t]
-            custom = rle_to_bools(runs, sum(runs))
-            custom += [False] * (kv_len - len(custom))
-            custom = [c and j <= slot for j, c in enumerate(custom)]
-        rows.extend(c and s for c, s in zip(custom, shown, strict=True))
-    return rows
+    if masks is not None:
+        seen &= rle_rows(masks, kv_len)
+    return seen
 
 
 def _kind(batch: ForwardBatch, r: int, page_size: int) -> GroupKind:
@@ -115,12 +117,10 @@ def _add(group: PagedGroup, batch: ForwardBatch, r: int, page_size: int) -> None
     kv_len = batch.kv_lens[r]
     group.last_page_len.append(kv_len - (len(pages) - 1) * page_size)
     if group.kind is GroupKind.CUSTOM:
-        rows = _visibility(batch, r, page_size)
-        assert group.mask is not None
-        group.mask.extend(rows)
-        group.blind.extend(
-            base + t for t in range(end - start) if not any(rows[t * kv_len : (t + 1) * kv_len])
-        )
+        seen = _visibility(batch, r, page_size)
+        assert group.masks is not None
+        group.masks.append(seen)
+        group.blind.extend(base + t for t in (~seen.any(1)).nonzero().view(-1).tolist())
     else:
         hidden = set(batch.masked_pages[r])
         pages = [p for i, p in enumerate(pages) if i not in hidden]
@@ -143,7 +143,7 @@ def write_rows(batch: ForwardBatch, page_size: int) -> list[int]:
 def plan_attention(batch: ForwardBatch, page_size: int) -> AttentionPlan:
     """Splits a validated batch into paged-kernel groups (see GroupKind)."""
     groups = {kind: PagedGroup(kind=kind) for kind in GroupKind}
-    groups[GroupKind.CUSTOM].mask = []
+    groups[GroupKind.CUSTOM].masks = []
     for r in range(batch.num_requests):
         _add(groups[_kind(batch, r, page_size)], batch, r, page_size)
     return AttentionPlan(

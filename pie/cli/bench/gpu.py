@@ -25,7 +25,8 @@ from pie.drivers.models import build_model
 from pie.drivers.models.base import CausalLM, ModelConfig
 from pie.drivers.paged_plan import bucket_for
 from pie.drivers.select import load_flashinfer
-from pie.events.sampling import Argmax
+from pie.events.forward import ForwardRequest
+from pie.events.sampling import Argmax, SamplingSlot
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(
@@ -123,41 +124,42 @@ class Workload:
             for c in range(first, min(first + per_pass, len(self.pages))):
                 ids = torch.randint(0, driver.info.vocab_size, (tokens,), generator=generator)
                 self._add(batch, c, ids.tolist())
-            seconds += _timed(driver, batch, self)[0]
+            seconds += _timed(driver, batch, self)
         return seconds
 
     def _add(self, batch: ForwardBatch, c: int, ids: list[int]) -> None:
+        """Context c's next tokens, greedy at the last."""
         start = self.lengths[c]
-        end = start + len(ids)
-        batch.token_ids.extend(ids)
-        batch.positions.extend(range(start, end))
-        batch.qo_indptr.append(len(batch.token_ids))
-        batch.kv_page_indices.extend(self.pages[c])
-        batch.kv_page_indptr.append(len(batch.kv_page_indices))
-        batch.kv_lens.append(end)
-        batch.masked_pages.append(())
-        batch.attention_masks.append(None)
-        batch.logit_masks.append(None)
-        batch.slot_requests.append(len(batch.kv_lens) - 1)
-        batch.slot_tokens.append(len(batch.token_ids) - 1)
-        batch.slot_ops.append(Argmax())
-        self.lengths[c] = end
+        self.lengths[c] += len(ids)
+        batch.add(
+            ForwardRequest(
+                corr=c,
+                requester="bench",
+                context=c,
+                tokens=tuple(ids),
+                positions=tuple(range(start, self.lengths[c])),
+                kv_start=start,
+                pages=self.pages[c],
+                slots=(SamplingSlot(index=len(ids) - 1, op=Argmax()),),
+            )
+        )
 
     def decode_step(self, driver: CudaDriver) -> tuple[float, int]:
         batch = ForwardBatch()
         for c in range(len(self.pages)):
             self._add(batch, c, [self.last[c]])
         kv_slots = sum(self.lengths)
-        return _timed(driver, batch, self)[0], kv_slots
+        return _timed(driver, batch, self), kv_slots
 
 
-def _timed(driver: CudaDriver, batch: ForwardBatch, work: Workload) -> tuple[float, None]:
+def _timed(driver: CudaDriver, batch: ForwardBatch, work: Workload) -> float:
+    """Seconds of one pass; each context's sampled token is fed to its next step."""
     start = time.perf_counter()
     outputs = driver.forward(batch)
     seconds = time.perf_counter() - start
     for r, out in zip(batch.slot_requests, outputs, strict=True):
         work.last[r] = getattr(out, "token", 1)
-    return seconds, None
+    return seconds
 
 
 def _percentile(values: list[float], q: float) -> float:
