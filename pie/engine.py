@@ -26,6 +26,7 @@ from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.config import (
     EngineConfig,
+    GrammarConfig,
     NetworkConfig,
     SandboxConfig,
     default_cache_dir,
@@ -41,6 +42,7 @@ from pie.dataplane import (
 from pie.drivers.base import Driver, DriverInfo
 from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
+from pie.grammar import GrammarLimits, Grammars
 from pie.net.fetch import Fetcher, Limits
 from pie.net.policy import NetworkPolicy
 from pie.net.quota import FetchQuota
@@ -140,6 +142,7 @@ class Engine:
             vocab_size=self.info.vocab_size,
             page_size=self.info.page_size,
             max_batch_tokens=max_batch_tokens,
+            grammars=_grammars(self.config.grammar, self.tokenizer, self.info.vocab_size),
         )
         return InferletActor(
             InferletCore(self.programs, _admission_limits(sandbox)),
@@ -157,6 +160,7 @@ class Engine:
             subscriptions_bytes=sandbox.subscription_buffer_inferlet_mb << 20,
             guest_niceness=sandbox.guest_niceness,
             lanes=self.lanes if self.config.scheduler.fast_path else None,
+            max_matchers=self.config.grammar.max_matchers_per_inferlet,
         )
 
     async def _start(self) -> None:
@@ -290,6 +294,18 @@ def _quotas(config: EngineConfig, num_pages: int) -> Quotas:
         user=kv.user_page_share,
         snapshots=kv.snapshot_page_share,
     )
+
+
+def _grammars(config: GrammarConfig, tokenizer: Any, vocab_size: int) -> Grammars | None:
+    """The model's grammar engine; none for an engine without a real tokenizer."""
+    if not hasattr(tokenizer, "backend_json"):
+        return None
+    limits = GrammarLimits(
+        max_source_bytes=config.max_source_kb << 10,
+        cache_entries=config.cache_entries,
+        max_matchers_per_user=config.max_matchers_per_user,
+    )
+    return Grammars(tokenizer.backend_json, vocab_size, sorted(tokenizer.stop_token_ids), limits)
 
 
 def _fetch_quota(config: NetworkConfig) -> FetchQuota:

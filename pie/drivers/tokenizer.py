@@ -3,6 +3,7 @@ its folder."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def backend_json(self) -> str:
+        """The tokenizer serialised as tokenizer.json, added tokens included, without padding
+        or truncation (what the grammar engine builds its token trie from)."""
+        backend = copy.copy(self._vocab)
+        backend.no_padding()
+        backend.no_truncation()
+        text: str = backend.to_str()
+        return text
 
     def token_to_id(self, token: str) -> int | None:
         return self._vocab.token_to_id(token)

@@ -225,7 +225,7 @@ class FakeHost:
     def next_run_output(self, handle: int) -> int:
         run, steps = self.runs[handle], self.run_steps[handle]
         while steps and not run.ready():
-            feed, op, deliver = steps.pop(0)
+            feed, op, _mask, deliver = steps.pop(0)
             self.prefilled.append(len(feed))
             self.ctx(run.spec.context).extend(feed)
             out = TokenOutput(token=self.sample(op, feed[-1]))
@@ -241,6 +241,9 @@ class FakeHost:
             final_token=out.final_token,
             last_written=out.last_written,
         )
+
+    def no_grammar(self, *args: Any) -> Any:
+        raise Refused("invalid", "the fake host has no grammar engine")
 
     def future(self, value: Any) -> int:
         handle = next(self._ids)
@@ -341,6 +344,7 @@ class FakeHost:
                 "output": h.run_output,
                 "cancel": lambda run: h.runs[run].cancel(),
             },
+            "grammar": {name: h.no_grammar for name in GRAMMAR_CALLS},
             "futures": {
                 "poll": h.poll,
                 "ready": lambda f: f in h.futures,
@@ -380,6 +384,8 @@ class FakeHost:
             },
         }
 
+
+GRAMMAR_CALLS = ("compile", "new-matcher", "mask", "consume", "rollback", "forced", "status", "free")
 
 TAGGED = {
     ("model", "info"),

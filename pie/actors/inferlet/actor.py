@@ -91,6 +91,7 @@ class InferletActor(Actor):
         subscriptions_bytes: int = 64 << 20,
         guest_niceness: int = 10,
         lanes: Lanes | None = None,
+        max_matchers: int = 64,
     ) -> None:
         super().__init__("inferlets", router, capacity=65536)
         self.lanes = lanes
@@ -104,6 +105,7 @@ class InferletActor(Actor):
         self._subscription_buffer = subscription_buffer
         self._subscription_bytes = (subscription_bytes, subscriptions_bytes)
         self._guest_niceness = guest_niceness
+        self._max_matchers = max_matchers
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
         self._kills: dict[str, KillSwitch] = {}
@@ -154,6 +156,7 @@ class InferletActor(Actor):
             subscription_bytes=self._subscription_bytes[0],
             subscriptions_bytes=self._subscription_bytes[1],
             lanes=self.lanes,
+            max_matchers=self._max_matchers,
         )
         bridge.state = state
         if instance.request is not None:
@@ -233,6 +236,7 @@ class InferletActor(Actor):
         finally:
             bind(None)
             state.runs.cancel_all()
+            state.grammar.close_all()
         try:
             done(outcome)
         except trio.RunFinishedError:

@@ -12,6 +12,7 @@ from wasmtime.component import LinkerInstance
 from pie.events import kv as ev
 from pie.events import sampling as s
 from pie.events.speculation import LaneBusy
+from pie.grammar import GrammarError
 from pie.sandbox.host.forward import slot_op
 from pie.sandbox.host.runs import Run, RunFailed, RunSpec
 from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
@@ -32,13 +33,18 @@ def start(params: Any) -> int:
             text: str = view.tokenizer.decode(list(tokens))
         return text
 
+    matcher = None
+    if (bound := getattr(params, "matcher", None)) is not None:
+        matcher = state.grammar.matcher(bound)
     handle = state.new_handle()
-    run = Run(spec, _stepper(state, spec), decode, lambda: state.runs.progressed(handle))
+    run = Run(spec, _stepper(state, spec), decode, lambda: state.runs.progressed(handle), matcher)
     state.runs.add(handle, run)
     try:
         run.start()
-    except BaseException:
+    except BaseException as exc:
         state.runs.remove(handle)
+        if isinstance(exc, GrammarError):
+            raise HostFailure(exc.kind, str(exc)) from None
         raise
     return handle
 
@@ -108,10 +114,15 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
     else through the kv actor (which may grant a lease for the next step)."""
     lanes = state.lanes
 
-    def step(tokens: tuple[int, ...], op: s.SlotOp, deliver: Callable[[Any], None]) -> None:
+    def step(
+        tokens: tuple[int, ...],
+        op: s.SlotOp,
+        mask: s.Rle | None,
+        deliver: Callable[[Any], None],
+    ) -> None:
         slots = (s.SamplingSlot(index=len(tokens) - 1, op=op),)
         corr = state.next_corr()
-        if lanes is not None and spec.logit_mask is None:
+        if lanes is not None and mask is None:
             try:
                 if lanes.submit(spec.context, state.address, corr, tokens, None, slots, deliver):
                     return
@@ -125,7 +136,7 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             tokens=tokens,
             positions=None,
             attention_masks=None,
-            logit_mask=spec.logit_mask,
+            logit_mask=mask,
             slots=slots,
             fast=lanes is not None,
         )

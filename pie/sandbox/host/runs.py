@@ -2,6 +2,8 @@
 that delivers each pass's output, so no guest code runs between tokens. A run follows the
 guest SDK's `Generation` exactly: the same seeds per step, stop tokens, stop strings matched on
 the detokenized text, and the last sampled token left unwritten for the program to queue.
+A run given a grammar matcher masks every step with it and feeds it each sampled token; it ends
+once the grammar is complete.
 
 On the fast path each step is a lane pass, and the speculator has usually run it already when
 the run asks for it; otherwise each step goes through the kv actor. Either way the program's
@@ -20,6 +22,7 @@ from attrs import frozen
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
 from pie.events.sampling import Rle, SlotOp, TokenOutput
+from pie.grammar import GrammarError, Matcher, intersect
 from pie.sandbox.host.textstream import Decode, TextStream
 
 SEED_MODULUS = 2**63
@@ -57,27 +60,35 @@ class RunOutput:
     """Tokens generated since the last output (a stop token that ended the run excluded)."""
     text: str
     finished: str | None
-    """"stop-token", "stop-string", "length" or "cancelled" once the run has ended."""
+    """"stop-token", "stop-string", "grammar" (the grammar is complete), "length" or "cancelled"
+    once the run has ended."""
     final_token: int | None
     """Once finished: the last sampled token, which no pass has written."""
     last_written: int | None
     """Once finished: the last token the run's passes wrote into the context."""
 
 
-Step = Callable[[tuple[int, ...], SlotOp, Callable[[Any], None]], None]
-"""Submits one pass feeding the tokens with a sampler at the last one; the callback receives
-its `ForwardCompleted` or `RequestFailed`, on whatever thread delivers it."""
+Step = Callable[[tuple[int, ...], SlotOp, Rle | None, Callable[[Any], None]], None]
+"""Submits one pass feeding the tokens with a sampler at the last one under a logit mask; the
+callback receives its `ForwardCompleted` or `RequestFailed`, on whatever thread delivers it."""
 
 
 class Run:
     def __init__(
-        self, spec: RunSpec, step: Step, decode: Decode, notify: Callable[[], None]
+        self,
+        spec: RunSpec,
+        step: Step,
+        decode: Decode,
+        notify: Callable[[], None],
+        matcher: Matcher | None = None,
     ) -> None:
         if spec.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if not spec.feed:
             raise ValueError("a run needs at least one token to feed")
         self.spec = spec
+        self.matcher = matcher
+        """Claimed for the run's life: it masks every step and takes every sampled token."""
         self._step = step
         self._notify = notify
         self._cond = threading.Condition()
@@ -95,7 +106,13 @@ class Run:
     # -- the program's thread ------------------------------------------------------------------
 
     def start(self) -> None:
-        self._submit(self.spec.feed)
+        if self.matcher is not None:
+            self.matcher.claim()
+        try:
+            self._submit(self.spec.feed)
+        except BaseException:
+            self._release_matcher()
+            raise
 
     def cancel(self) -> None:
         """Ends the run after the pass in flight, if any; its token still counts."""
@@ -144,7 +161,18 @@ class Run:
             self._in_flight = True
             self._fed = feed
             op = op_at_step(self.spec.op, len(self.tokens))
-        self._step(feed, op, self._delivered)
+        try:
+            mask = self._step_mask()
+        except GrammarError as exc:
+            self._delivered(RequestFailed(corr=0, kind=exc.kind, message=str(exc)))
+            return
+        self._step(feed, op, mask, self._delivered)
+
+    def _step_mask(self) -> Rle | None:
+        matcher = self.matcher
+        if matcher is None:
+            return self.spec.logit_mask
+        return intersect(self.spec.logit_mask, matcher.mask(), matcher.vocab_size)
 
     def _delivered(self, value: Any) -> None:
         with self._cond:
@@ -165,6 +193,8 @@ class Run:
             return None
         token = _token(value)
         self._final = token
+        if self.matcher is not None and not self._grammar_takes(token):
+            return None
         if token in self.spec.stop_tokens:
             self._finish("stop-token", token)
             return None
@@ -175,6 +205,9 @@ class Run:
             if stream.stopped:
                 self._finish("stop-string", token)
                 return None
+        if self.matcher is not None and self.matcher.stopped:
+            self._finish("grammar", token)
+            return None
         if len(self.tokens) >= self.spec.max_tokens:
             self._finish("length", token)
             return None
@@ -183,11 +216,30 @@ class Run:
             return None
         return (token,)
 
+    def _grammar_takes(self, token: int) -> bool:
+        """Feeds the matcher the sampled token; a refusal (a mask the sampler did not honour, or
+        a matcher in error) ends the run with a failure."""
+        assert self.matcher is not None
+        try:
+            if self.matcher.consume((token,)) == 1:
+                return True
+            message = f"the grammar refused the sampled token {token}"
+        except GrammarError as exc:
+            message = str(exc)
+        self.failure = RequestFailed(corr=0, kind="invalid", message=message)
+        self._finish("error", None)
+        return False
+
     def _finish(self, reason: str, final: int | None) -> None:
         self.finished = reason
         self._final = final
         if self._stream is not None:
             self._stream.finish()
+        self._release_matcher()
+
+    def _release_matcher(self) -> None:
+        if self.matcher is not None:
+            self.matcher.release()
 
     def _ready(self) -> bool:
         if self.finished is not None:

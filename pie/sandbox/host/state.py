@@ -16,7 +16,9 @@ from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
+from pie.grammar import Grammars
 from pie.sandbox.host.failure import HostFailure
+from pie.sandbox.host.matchertable import MatcherTable
 from pie.sandbox.host.ports import Bridge, FastPath
 from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
@@ -33,6 +35,8 @@ class ModelView:
     vocab_size: int
     page_size: int
     max_batch_tokens: int
+    grammars: Grammars | None = None
+    """The model's grammar engine; None refuses constrained decoding."""
     lock: threading.Lock = field(factory=threading.Lock)
     """HF fast tokenizers are not safe to call from several threads at once."""
 
@@ -81,6 +85,7 @@ class InstanceState:
         subscription_bytes: int = 16 << 20,
         subscriptions_bytes: int = 64 << 20,
         lanes: FastPath | None = None,
+        max_matchers: int = 64,
     ) -> None:
         self.instance = instance
         self.lanes = lanes
@@ -114,6 +119,7 @@ class InstanceState:
         self._session_waiting: collections.deque[int] = collections.deque()
         self._callbacks: dict[int, Callable[[Any], None]] = {}
         self.runs = RunTable(self._cond, self._new_pollable, self._fill, self._alive)
+        self.grammar = MatcherTable(user, max_matchers, self.new_handle)
         kill.add_waker(self._wake)
 
     # -- guest thread --------------------------------------------------------------------

@@ -8,6 +8,7 @@ from inferlet.context import Context
 from inferlet.errors import HostError
 from inferlet.forward import Forward, runs
 from inferlet.generation import Generation
+from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model, get_model, models
 from inferlet.sampling import Distribution, Probe, Sampler
 
@@ -16,7 +17,9 @@ __all__ = [
     "Distribution",
     "Forward",
     "Generation",
+    "Grammar",
     "HostError",
+    "Matcher",
     "Model",
     "Probe",
     "Sampler",

@@ -6,7 +6,7 @@ by the first pass of `generate()`, so a whole chat prompt tokenizes exactly like
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from wit_world.imports import context as _ctx
@@ -16,6 +16,7 @@ from inferlet.chat import ChatState
 from inferlet.errors import call
 from inferlet.forward import Forward, run_pass
 from inferlet.generation import Generation
+from inferlet.grammar import Grammar, Matcher, grammar_for
 from inferlet.model import Message, Model
 from inferlet.sampling import Sampler
 
@@ -120,12 +121,21 @@ class Context:
         stop_strings: Iterable[str] = (),
         logit_mask: Sequence[int] | None = None,
         deliver_every: int | None = None,
+        schema: Mapping[str, Any] | str | bool | None = None,
+        regex: str | None = None,
+        grammar: str | Grammar | Matcher | None = None,
     ) -> Generation:
         """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
         stop tokens) or once the text contains one of `stop_strings`. `logit_mask` (run lengths
         over the vocabulary) limits every step's choice. Nothing runs until the result is
         awaited or iterated; then the engine carries the loop, waking this inferlet every
-        `deliver_every` tokens when streaming (default 1) or once at the end."""
+        `deliver_every` tokens when streaming (default 1) or once at the end.
+
+        Constrained decoding (at most one): `schema` (a JSON Schema as a dict or text; True for
+        any JSON), `regex` (the whole output matches it), or `grammar` (Lark text, a `Grammar`,
+        or a `Matcher` to continue). The generation ends (`grammar`) once the grammar is
+        complete; read it with `collect_json()` for JSON."""
+        matcher, owned = _matcher_for(self.model, schema, regex, grammar)
         return Generation(
             self,
             sampler or Sampler.argmax(),
@@ -134,6 +144,8 @@ class Context:
             stop_strings=stop_strings,
             logit_mask=logit_mask,
             deliver_every=deliver_every,
+            matcher=matcher,
+            owns_matcher=owned,
         )
 
     async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
@@ -252,6 +264,27 @@ class Context:
 
     def __repr__(self) -> str:
         return f"Context({self.handle}, model={self.model.name!r})"
+
+
+def _matcher_for(
+    model: Model,
+    schema: Mapping[str, Any] | str | bool | None,
+    regex: str | None,
+    grammar: str | Grammar | Matcher | None,
+) -> tuple[Matcher | None, bool]:
+    """The matcher a generation steps with, and whether the generation made it (and frees it)."""
+    if isinstance(grammar, Matcher):
+        if schema is not None or regex is not None:
+            raise ValueError("give at most one of schema, regex and grammar")
+        return grammar, False
+    compiled = grammar_for(model, schema=schema, regex=regex, grammar=grammar)
+    if compiled is None:
+        return None, False
+    try:
+        return compiled.matcher(), True
+    finally:
+        if compiled is not grammar:
+            compiled.free()
 
 
 def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPass:

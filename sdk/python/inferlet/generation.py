@@ -4,11 +4,13 @@
 Consumed whole or streamed, it is a generation run: the engine carries the loop, one pass per
 token, with no inferlet code between tokens, and wakes the inferlet when it has tokens for it
 (every `deliver_every` tokens, or at the end). `step()` drives it one pass at a time instead,
-for programs that act between tokens; both give the same tokens.
+for programs that act between tokens; both give the same tokens. With a grammar matcher every
+step is masked by it and the generation ends once the grammar is complete.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ from wit_world.imports import generate as gen
 from inferlet import _loop
 from inferlet.errors import HostError, call
 from inferlet.forward import run_pass
+from inferlet.grammar import Matcher, intersect
 from inferlet.sampling import Sampler
 from inferlet.text import TextStream
 
@@ -41,6 +44,8 @@ class Generation:
         stop_strings: Iterable[str],
         logit_mask: Sequence[int] | None = None,
         deliver_every: int | None = None,
+        matcher: Matcher | None = None,
+        owns_matcher: bool = False,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -51,8 +56,8 @@ class Generation:
         self.prompt_tokens = 0
         """Tokens the first pass fed: the queued input (prefill), or 1 when there was none."""
         self.stop_reason: str | None = None
-        """"stop_token", "stop_string", "length" or "cancelled" once finished ("error" after a
-        failed pass)."""
+        """"stop_token", "stop_string", "grammar" (the grammar is complete), "length" or
+        "cancelled" once finished ("error" after a failed pass)."""
         self._ctx = ctx
         self._sampler = sampler
         self._op = None if sampler.seed is not None else sampler.slot_op()
@@ -61,6 +66,9 @@ class Generation:
         self._stops = tuple(s for s in stop_strings if s)
         self._logit_mask = None if logit_mask is None else list(logit_mask)
         self._deliver_every = deliver_every
+        self.matcher = matcher
+        """The grammar matcher constraining every step; it stands after the last token."""
+        self._owns_matcher = owns_matcher
         self._stream = TextStream(ctx.model, self._stops) if self._stops else None
         self._feed: list[int] | None = None
         self._run: int | None = None
@@ -83,6 +91,17 @@ class Generation:
     async def collect_text(self) -> str:
         await self.collect_tokens()
         return self.text
+
+    async def collect_json(self) -> Any:
+        """The generated text parsed as JSON (ValueError, naming the stop reason, when it is
+        not: a generation cut short by `max_tokens` ends mid-value)."""
+        text = await self.collect_text()
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ValueError(
+                f"the generation ({self.stop_reason}) is not JSON: {exc}: {text[:200]!r}"
+            ) from None
 
     @property
     def text(self) -> str:
@@ -153,12 +172,12 @@ class Generation:
             logit_mask=self._logit_mask,
             deliver_every=deliver_every,
             text=text,
+            matcher=None if self.matcher is None else self.matcher.handle,
         )
         try:
             self._run = call(gen.start, params)
         except BaseException:
-            self.stop_reason = "error"
-            self._ctx.release(None)
+            self._failed()
             raise
 
     def _take_output(self, out: gen.RunOutput) -> None:
@@ -175,14 +194,26 @@ class Generation:
 
     def _abandon_run(self) -> None:
         """The run's output could not be read (a failed pass, or the task was cancelled)."""
-        self.stop_reason = "error"
         run, self._run = self._run, None
         if run is not None:
             try:
                 call(gen.cancel, run)
             except HostError:
                 pass
+        self._failed()
+
+    def _failed(self) -> None:
+        self.stop_reason = "error"
+        self._free_matcher()
         self._ctx.release(None)
+
+    def _free_matcher(self) -> None:
+        if self._owns_matcher and self.matcher is not None:
+            self._owns_matcher = False
+            try:
+                self.matcher.free()
+            except HostError:
+                pass
 
     # -- the per-step loop -----------------------------------------------------------------------
 
@@ -192,16 +223,19 @@ class Generation:
             self._feed = self._start()
         feed, step = self._feed, len(self.tokens)
         op = self._op or self._sampler.at_step(step).slot_op()
-        pass_ = fw.ForwardPass(
-            ctx.handle, feed, None, None, self._logit_mask, [fw.Slot(len(feed) - 1, op)]
-        )
+        matcher = self.matcher
         try:
+            mask = self._logit_mask
+            if matcher is not None:
+                mask = intersect(mask, matcher.mask())
+            pass_ = fw.ForwardPass(ctx.handle, feed, None, None, mask, [fw.Slot(len(feed) - 1, op)])
             token = (await run_pass(pass_))[0].value
+            assert isinstance(token, int)
+            if matcher is not None and matcher.consume([token]) != 1:
+                raise HostError("invalid", f"the grammar refused the sampled token {token}")
         except BaseException:
-            self.stop_reason = "error"
-            ctx.release(None)
+            self._failed()
             raise
-        assert isinstance(token, int)
         if token in self._stop_tokens:
             return self._finish("stop_token", token, feed[-1])
         self.tokens.append(token)
@@ -209,6 +243,8 @@ class Generation:
             self._stream.push(token)
             if self._stream.stopped:
                 return self._finish("stop_string", token, feed[-1])
+        if matcher is not None and matcher.stopped:
+            return self._finish("grammar", token, feed[-1])
         if len(self.tokens) >= self._max_tokens:
             return self._finish("length", token, feed[-1])
         self._feed = [token]
@@ -219,14 +255,14 @@ class Generation:
             ctx.acquire()
         except RuntimeError:
             self.stop_reason = "error"
+            self._free_matcher()
             raise
         try:
             feed = ctx.feed_for_generation()
             self.prompt_tokens = len(feed)
             self._reserve(len(feed) + self._max_tokens - 1)
         except BaseException:
-            self.stop_reason = "error"
-            ctx.release(None)
+            self._failed()
             raise
         return feed
 
@@ -243,6 +279,7 @@ class Generation:
         context holds everything generated (a chat turn is closed as the template renders it)."""
         self.stop_reason = reason
         self._run = None
+        self._free_matcher()
         if self._stream is not None:
             self._stream.finish()
         ctx = self._ctx

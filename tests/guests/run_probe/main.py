@@ -92,6 +92,7 @@ def _params(ctx: Context, prompt: list[int], tokens: int, every: int) -> Any:
         logit_mask=None,
         deliver_every=every,
         text=False,
+        matcher=None,
     )
 
 

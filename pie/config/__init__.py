@@ -1,0 +1,151 @@
+"""Engine configuration: a TOML file with sections [model], [driver], [kv], [scheduler],
+[event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar].
+
+Every key has a default, so no file is needed for the default model. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from attrs import frozen
+from cattrs.v import format_exception
+
+from pie.config.engine_sections import (
+    DEFAULT_MODEL,
+    BusConfig,
+    DriverConfig,
+    EventLogConfig,
+    KvConfig,
+    ModelConfig,
+    SandboxConfig,
+    SchedulerConfig,
+)
+from pie.config.service_sections import (
+    GrammarConfig,
+    HttpConfig,
+    McpConfig,
+    McpServerConfig,
+    NetworkConfig,
+    ServerConfig,
+)
+
+
+def default_cache_dir() -> Path:
+    """Where converted models, compiled components and built inferlets are kept:
+    `$PIE_CACHE_DIR`, else ~/.cache/pie."""
+    return Path(os.environ.get("PIE_CACHE_DIR") or Path.home() / ".cache" / "pie")
+
+
+@frozen(kw_only=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    driver: DriverConfig = DriverConfig()
+    kv: KvConfig = KvConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    event_log: EventLogConfig = EventLogConfig()
+    bus: BusConfig = BusConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    network: NetworkConfig = NetworkConfig()
+    mcp: McpConfig = McpConfig()
+    server: ServerConfig = ServerConfig()
+    http: HttpConfig = HttpConfig()
+    grammar: GrammarConfig = GrammarConfig()
+
+
+class ConfigError(ValueError):
+    """A config file that could not be read; the message names the bad keys."""
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _integer(data: Any, _: Any) -> int:
+    # cattrs alone would truncate 2.5 to 2 and parse "2": an integer key takes a TOML integer.
+    if type(data) is not int:
+        raise ValueError(f"expected an integer, got {data!r}")
+    return data
+
+
+_converter.register_structure_hook(int, _integer)
+_structure_mcp_server = _converter.get_structure_hook(McpServerConfig)
+
+
+def _mcp_server(data: Any, type_: Any) -> McpServerConfig:
+    # A bare string would otherwise become a tuple of its characters.
+    if isinstance(data, dict) and isinstance(data.get("command"), str):
+        raise ValueError("an mcp server's command is a list: the program, then its arguments")
+    return _structure_mcp_server(data, type_)
+
+
+_converter.register_structure_hook(McpServerConfig, _mcp_server)
+
+
+def _describe(exc: BaseException, type_: Any) -> str:
+    # Our validators say what is wrong in their own words; keep them.
+    if type(exc) is ValueError:
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    try:
+        return _converter.structure(data, EngineConfig)
+    except cattrs.BaseValidationError as exc:
+        messages = cattrs.transform_error(exc, format_exception=_describe)
+        raise ConfigError("; ".join(messages)) from exc
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def load_config(path: str | Path | None = None) -> EngineConfig:
+    """The config in `path` (TOML), or the defaults when `path` is None."""
+    if path is None:
+        return EngineConfig()
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    return config_from_dict(data)
+
+
+def with_overrides(config: EngineConfig, **sections: dict[str, Any]) -> EngineConfig:
+    """A copy with some keys replaced, e.g. with_overrides(c, model={"path": "x.gguf"})."""
+    changes = {
+        name: attrs.evolve(
+            getattr(config, name), **{k: v for k, v in values.items() if v is not None}
+        )
+        for name, values in sections.items()
+    }
+    return attrs.evolve(config, **changes)
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "BusConfig",
+    "ConfigError",
+    "DriverConfig",
+    "EngineConfig",
+    "EventLogConfig",
+    "GrammarConfig",
+    "HttpConfig",
+    "KvConfig",
+    "McpConfig",
+    "McpServerConfig",
+    "ModelConfig",
+    "NetworkConfig",
+    "SandboxConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "config_from_dict",
+    "default_cache_dir",
+    "load_config",
+    "with_overrides",
+]

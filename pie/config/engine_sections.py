@@ -1,0 +1,190 @@
+"""The engine's own config sections: [model], [driver], [kv], [scheduler], [event_log],
+[bus], [sandbox]."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+from attrs import field, frozen
+
+from pie.config.checks import at_least, choice, share
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@frozen(kw_only=True)
+class ModelConfig:
+    path: str = DEFAULT_MODEL
+    """The alias `smollm2-135m`, an HF model directory, or a .gguf file."""
+    dtype: str = field(default="auto", validator=choice("auto", "float32", "bfloat16", "float16"))
+    """auto: float32 on the CPU, bfloat16 on CUDA."""
+    device: str = field(default="auto", validator=choice("auto", "cpu", "cuda"))
+
+
+@frozen(kw_only=True)
+class DriverConfig:
+    """Which driver runs the model, and how it shares the machine's cores with the engine's
+    other threads."""
+
+    threads: int = field(default=0, validator=at_least(0))
+    """torch's CPU threads; 0: the usable cores minus one (at least 1), leaving a core to the
+    event loop, the pass loop's helper thread and the guests."""
+    omp_wait_policy: str = field(default="passive", validator=choice("passive", "active"))
+    """OMP_WAIT_POLICY when the environment does not set it: passive threads sleep between
+    parallel regions, active ones spin and hold their cores."""
+    backend: str = field(default="auto", validator=choice("auto", "torch", "cuda"))
+    """Which driver runs the model: cuda (flashinfer's paged kernels and CUDA graphs; needs a
+    GPU, the `cuda` extra and a bfloat16 or float16 model), torch (plain torch on any device),
+    or auto: cuda where it can run, else torch. `pie doctor` says which and why."""
+    cuda_graphs: bool = True
+    """The cuda driver captures decode passes as CUDA graphs at start-up and replays them."""
+    graph_batch_sizes: tuple[int, ...] = field(
+        default=(), validator=attrs.validators.deep_iterable(at_least(1))
+    )
+    """Decode batch sizes captured as graphs; a pass replays the smallest that holds it.
+    Empty: 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, as far as
+    [scheduler] max_batch_requests, which is always captured."""
+
+
+@frozen(kw_only=True)
+class KvConfig:
+    page_size: int = field(default=16, validator=at_least(1))
+    num_pages: int = field(default=0, validator=at_least(0))
+    """0 sizes the pool from memory_mb (CPU) or memory_fraction (CUDA)."""
+    memory_mb: int = field(default=1024, validator=at_least(1))
+    memory_fraction: float = 0.5
+    """Of the GPU memory still free after loading the model."""
+    prefix_cache: str = field(default="user", validator=choice("off", "user", "global"))
+    """Which contexts reuse each other's committed pages instead of computing them again: none,
+    a user's own (so no program learns another user's prompts from how fast its pass ran), or
+    every context's."""
+    inferlet_page_share: float = field(default=0.5, validator=share)
+    """Of the pool, the pages one inferlet (or client) may hold; past it, out-of-pages."""
+    user_page_share: float = field(default=0.75, validator=share)
+    """Of the pool, the pages all contexts of one user may hold; past it, out-of-pages."""
+    snapshot_page_share: float = field(default=0.25, validator=share)
+    """Of the pool, the pages one user's named snapshots may hold; past it, snapshot-quota."""
+    snapshots_dir: str = ""
+    """Where named snapshots are kept so that they survive a restart or a kill (each user's
+    records, rebuilt at start); empty keeps them in memory only. `pie serve` sets it, when
+    empty, to `snapshots` beside the compiled components (see [sandbox] cache_dir)."""
+
+
+@frozen(kw_only=True)
+class SchedulerConfig:
+    max_batch_tokens: int = field(default=512, validator=at_least(1))
+    max_batch_requests: int = field(default=64, validator=at_least(1))
+    decode_tokens: int = field(default=16, validator=at_least(1))
+    """Requests of at most this many tokens are served before prefill chunks in each pass."""
+    fast_path: bool = True
+    """Run inferlets' plain decodes on the driver thread (leases), without Trio round trips."""
+    speculation_depth: int = field(default=1, validator=at_least(0))
+    """Passes staged ahead of a program on the fast path (0: none)."""
+    max_slots_per_pass: int = field(default=512, validator=at_least(1))
+    """Sampling and probe slots one program's pass may have; more is refused as invalid."""
+    max_probe_values: int = field(default=1 << 22, validator=at_least(1))
+    """Values one pass's slots may return together (a raw-logits row is the vocabulary, a
+    distribution two per token); more is refused as invalid before the driver sees it."""
+
+
+@frozen(kw_only=True)
+class EventLogConfig:
+    enabled: bool = True
+    ring_size: int = field(default=100_000, validator=at_least(0))
+    path: str = ""
+    """When set, every event is also appended to this JSON-lines file."""
+    max_unwritten: int = field(default=100_000, validator=at_least(1))
+    """Records the file writer may fall behind by; past that, records are left out of the file
+    (which marks the gap) until it catches up by half."""
+    ring_payload_chars: int = field(default=256, validator=at_least(0))
+    """Of each text or bytes field of an event, what the in-memory ring keeps (0: all); the
+    file keeps every event whole."""
+
+
+@frozen(kw_only=True)
+class BusConfig:
+    """What the messaging bus holds for inferlets and clients (docs/inferlet-api.md#messaging)."""
+
+    max_message_kb: int = field(default=1024, validator=at_least(1))
+    """A pushed or broadcast message's size in UTF-8; larger ones are refused too-large."""
+    max_queue_messages: int = field(default=10_000, validator=at_least(1))
+    max_queue_mb: int = field(default=16, validator=at_least(1))
+    """Bytes of messages one queue holds until they are pulled; past that a push is overrun."""
+    max_user_mb: int = field(default=64, validator=at_least(1))
+    """Bytes of messages one user's pushes hold on all queues; past that a push fails quota."""
+    max_waiting_pulls: int = field(default=1024, validator=at_least(1))
+    """Pulls one inferlet or connection may have waiting at once, on all queues; past that a
+    pull fails overrun."""
+
+
+@frozen(kw_only=True)
+class SandboxConfig:
+    budget_seconds: float = 300.0
+    """Wall-clock time an inferlet may run, waiting included."""
+    memory_mb: int = field(default=512, validator=at_least(16))
+    """Linear memory cap per inferlet (a Python inferlet needs about 13 MB to start)."""
+    max_concurrent: int = field(default=64, validator=at_least(1))
+    """Inferlets running at once; more wait in the admission queue."""
+    guest_memory_mb: int = field(default=0, validator=at_least(0))
+    """Linear memory all running inferlets may reserve together: one is admitted only while
+    its memory_mb fits in what is left (0: half of the machine's memory, at least memory_mb)."""
+    max_inferlets_per_user: int = field(default=256, validator=at_least(0))
+    """Inferlets of one user running and queued together; more launches are refused (0: no
+    limit)."""
+    max_running_per_user: int = field(default=0, validator=at_least(0))
+    """Inferlets of one user running at once; more wait in the admission queue though slots are
+    free (0: up to max_concurrent). A freed slot always goes to the waiting user with the fewest
+    running, so the default lets one user use every idle slot without starving others."""
+    max_children: int = field(default=64, validator=at_least(0))
+    """Children one inferlet may have running and queued at once (0: no limit)."""
+    max_child_depth: int = field(default=8, validator=at_least(0))
+    """How many generations of children below an inferlet a client launched (0: none)."""
+    cache_dir: str = ""
+    """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""
+    scratch_dir: str = ""
+    """When set, each inferlet gets a fresh directory under it at /scratch, removed when it ends."""
+    scratch_quota_mb: int = field(default=256, validator=at_least(0))
+    """Bytes one /scratch may hold (0: no limit)."""
+    scratch_max_files: int = field(default=10_000, validator=at_least(0))
+    """Files and directories one /scratch may hold (0: no limit)."""
+    persist_dir: str = ""
+    """When set, each inferlet also gets persist_dir/<its user> at /data, kept across runs."""
+    persist_quota_mb: int = field(default=64, validator=at_least(0))
+    """Bytes one user's /data may hold (0: no limit)."""
+    persist_max_files: int = field(default=10_000, validator=at_least(0))
+    """Files and directories one user's /data may hold (0: no limit)."""
+    files_check_ms: float = field(default=100.0, validator=at_least(1))
+    """How often running inferlets' /scratch and /data are measured against their quotas."""
+    subscription_buffer: int = field(default=1024, validator=at_least(1))
+    """Messages a topic subscription holds; past that its oldest are dropped (and the subscriber
+    told of it by an overrun)."""
+    subscription_buffer_mb: int = field(default=16, validator=at_least(1))
+    """Bytes (UTF-8) of messages one subscription holds; past that its oldest are dropped."""
+    subscription_buffer_inferlet_mb: int = field(default=64, validator=at_least(1))
+    """Bytes of messages all of one inferlet's subscriptions hold together; past that the
+    oldest of its fullest subscription are dropped."""
+    epoch_ms: float = 5.0
+    """How often the runaway-guest check runs."""
+    guest_niceness: int = field(default=10, validator=[at_least(0), attrs.validators.le(19)])
+    """Scheduling niceness of guest threads (0-19): above 0, busy guests yield the CPU to the
+    engine's own threads, and to every other process on the machine."""
+
+    def __attrs_post_init__(self) -> None:
+        if 0 < self.guest_memory_mb < self.memory_mb:
+            raise ValueError(
+                f"guest_memory_mb ({self.guest_memory_mb}) must be 0 or at least memory_mb "
+                f"({self.memory_mb}): no inferlet could ever be admitted"
+            )
+
+    @property
+    def guest_memory_bytes(self) -> int:
+        """The guests' memory budget in bytes, `guest_memory_mb` or, when 0, half of this
+        machine's memory (never below one inferlet's cap)."""
+        if self.guest_memory_mb:
+            return self.guest_memory_mb << 20
+        try:
+            half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        except (ValueError, OSError):
+            half = 0
+        return max(half, self.memory_mb << 20)
