@@ -385,7 +385,16 @@ class FakeHost:
         }
 
 
-GRAMMAR_CALLS = ("compile", "new-matcher", "mask", "consume", "rollback", "forced", "status", "free")
+GRAMMAR_CALLS = (
+    "compile",
+    "new-matcher",
+    "mask",
+    "consume",
+    "rollback",
+    "forced",
+    "status",
+    "free",
+)
 
 TAGGED = {
     ("model", "info"),
