@@ -6,11 +6,13 @@ Responses alike, and bad requests get the API's errors."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import openai
+import pydantic
 import pytest
 import trio
 
@@ -175,3 +177,129 @@ async def test_bad_requests_get_the_apis_errors_and_the_endpoint_serves_on(
                 await in_thread(lambda: client.embeddings.create(model=model, input="x"))
             after = await in_thread(lambda: complete(temperature=0))
     assert after.choices[0].message.content
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+    population_millions: int = pydantic.Field(ge=0, le=100)
+
+
+CITY_PROMPT = [{"role": "user", "content": "Describe a large city as JSON."}]
+
+
+async def test_response_format_holds_the_output_to_the_schema(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+        with trio.fail_after(600):
+            parsed = await in_thread(
+                lambda: client.chat.completions.parse(
+                    model=model, messages=CITY_PROMPT, response_format=City, temperature=0
+                )
+            )
+            anything = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=model,
+                    messages=CITY_PROMPT,
+                    response_format={"type": "json_object"},
+                    temperature=0.8,
+                    seed=5,
+                )
+            )
+            answer = await in_thread(
+                lambda: client.responses.parse(
+                    model=model, input="Describe a small city as JSON.", text_format=City
+                )
+            )
+            with pytest.raises(openai.BadRequestError, match="response_format"):
+                await in_thread(
+                    lambda: client.chat.completions.create(
+                        model=model,
+                        messages=CITY_PROMPT,
+                        response_format={
+                            "type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                        },
+                    )
+                )
+    # The client's own parser (pydantic) accepts what came back.
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+    assert parsed.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    assert isinstance(answer.output_parsed, City)
+
+
+async def test_n_choices_fork_one_prefill_and_repeat_with_a_seed(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+
+        def complete(**extra: Any) -> Any:
+            return client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=3, **extra
+            )
+
+        with trio.fail_after(600):
+            first = await in_thread(complete)
+            again = await in_thread(complete)
+            chunks = await in_thread(lambda: list(complete(stream=True)))
+            single = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11
+                )
+            )
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1  # each choice draws with its own seed
+    assert texts[0] == single.choices[0].message.content  # choice 0 draws with `seed`
+    # The prompt is prefilled (and counted) once for all three choices.
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens
+    cut = [c.finish_reason == "length" for c in first.choices]
+    assert (first.usage.completion_tokens == 24) == all(cut)
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
+
+
+async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+
+        def complete(**overrides: Any) -> Any:
+            request: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": 2}
+            return client.chat.completions.create(**{**request, **overrides})
+
+        refused = {
+            "logprobs": {"logprobs": True},
+            "presence_penalty": {"presence_penalty": 0.5},
+            "logit_bias": {"logit_bias": {"42": 5}},
+            "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "frobnicate": {"extra_body": {"frobnicate": 1}},
+        }
+        with trio.fail_after(600):
+            for field, overrides in refused.items():
+                with pytest.raises(openai.BadRequestError, match=field) as error:
+                    await in_thread(lambda: complete(**overrides))  # noqa: B023
+                assert error.value.body["param"] == field
+            with pytest.raises(openai.BadRequestError, match="top_k"):
+                await in_thread(
+                    lambda: client.responses.create(
+                        model=model, input="hi", extra_body={"top_k": 3}
+                    )
+                )
+            served = await in_thread(
+                lambda: complete(presence_penalty=0, frequency_penalty=0, logprobs=False, n=1)
+            )
+    assert served.choices[0].message.content

@@ -33,6 +33,7 @@ RUNNERS = {
     "bench tax": "pie.cli.bench.tax:run_bench_tax",
     "bench agents": "pie.cli.bench.agents:run_bench_agents",
     "bench gpu": "pie.cli.bench.gpu:run_bench_gpu",
+    "bench decoding": "pie.cli.bench.decoding:run_bench_decoding",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

@@ -166,8 +166,11 @@ def add_bench_parsers(commands: Commands) -> None:
     bench.add_argument("--prefill-tokens", type=int, default=256)
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     add_engine_options(bench)
-    suites = bench.add_subparsers(dest="suite", metavar="[inferlets | serve | tax | agents | gpu]")
+    suites = bench.add_subparsers(
+        dest="suite", metavar="[inferlets | serve | tax | agents | gpu | decoding]"
+    )
     _bench_inferlets_parser(suites)
+    _bench_decoding_parser(suites)
     _bench_agents_parser(suites)
     _bench_tax_parser(suites)
     _bench_serve_parser(suites)
@@ -184,6 +187,17 @@ def _bench_inferlets_parser(suites: Commands) -> None:
     inferlets.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     inferlets.add_argument("--repeats", type=int, default=3)
     inferlets.add_argument("--idle", type=int, default=16, help="idle inferlets to weigh")
+
+
+def _bench_decoding_parser(suites: Commands) -> None:
+    decoding = suites.add_parser(
+        "decoding", help="decoding strategies (structured output) against their plain forms"
+    )
+    decoding.add_argument("--json", action="store_true", help="print one JSON object")
+    decoding.add_argument("--tokens", type=int, default=48, help="tokens per measured run")
+    decoding.add_argument("--concurrency", type=int, default=4, help="branches decoding at once")
+    decoding.add_argument("--repeats", type=int, default=3)
+    add_engine_options(decoding)
 
 
 def _bench_agents_parser(suites: Commands) -> None:

@@ -4,13 +4,22 @@ mounts it at /v1; each request runs in its own instance, batched with everything
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import responses
 from inferlet import Context, HostError, get_model, runtime, serving
 from inferlet.serving import HttpError, Request, Response
-from params import ApiError, Params, chat_messages, error_body, prompt_tokens
+from params import (
+    CHAT_FIELDS,
+    ApiError,
+    Params,
+    chat_messages,
+    error_body,
+    prompt_tokens,
+    refuse_unsupported,
+)
 
 
 async def handle(request: Request) -> Any:
@@ -59,74 +68,78 @@ async def _route(request: Request) -> Any:
 
 
 async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
+    refuse_unsupported(body, CHAT_FIELDS)
     params = Params.of(body, length_keys=("max_completion_tokens", "max_tokens"))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise HttpError(400, "stream_options: an object")
+    prompt = prompt_tokens(model, chat_messages(body.get("messages")), "messages")
     with Context(model) as ctx:
-        ctx.fill_tokens(prompt_tokens(model, chat_messages(body.get("messages")), "messages"))
-        generation = params.generate(ctx)
-        ident = f"chatcmpl-{runtime.instance_id()}"
+        ctx.fill_tokens(prompt)
+        generations = await params.choices(ctx, body)
+        reply = _Reply(f"chatcmpl-{runtime.instance_id()}", model.name, len(prompt), generations)
         if not body.get("stream"):
-            text = await generation.collect_text()
-            return _completion(ident, model.name, text, generation)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise HttpError(400, "stream_options: an object")
-        include_usage = bool(options.get("include_usage"))
-        await _stream_completion(ident, model.name, generation, include_usage)
+            texts = await asyncio.gather(*(g.collect_text() for g in generations))
+            return reply.completion(texts)
+        await reply.stream(bool(options.get("include_usage")))
         return None
 
 
-def _completion(ident: str, name: str, text: str, generation: Any) -> dict[str, Any]:
-    return {
-        "id": ident,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": [
+class _Reply:
+    """A chat completion's choices, whole or as chunks; choices stream side by side."""
+
+    def __init__(self, ident: str, name: str, prompt: int, generations: list[Any]) -> None:
+        self.ident = ident
+        self.name = name
+        self.prompt = prompt
+        self.generations = generations
+        self.created = int(time.time())
+
+    def completion(self, texts: list[str]) -> dict[str, Any]:
+        choices = [
             {
-                "index": 0,
+                "index": i,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": _finish_reason(generation),
             }
-        ],
-        "usage": _usage(generation),
-    }
+            for i, (text, generation) in enumerate(zip(texts, self.generations, strict=True))
+        ]
+        return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
 
+    async def stream(self, include_usage: bool) -> None:
+        stream = serving.respond(
+            200, {"content-type": "text/event-stream", "cache-control": "no-cache"}
+        )
 
-async def _stream_completion(ident: str, name: str, generation: Any, include_usage: bool) -> None:
-    stream = serving.respond(
-        200, {"content-type": "text/event-stream", "cache-control": "no-cache"}
-    )
-    created = int(time.time())
+        def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        async def pump(index: int, generation: Any) -> None:
+            async for piece in generation:
+                stream.event(chunk(index, {"content": piece}, None))
+            stream.event(chunk(index, {}, _finish_reason(generation)))
+
+        for index in range(len(self.generations)):
+            stream.event(chunk(index, {"role": "assistant", "content": ""}, None))
+        await asyncio.gather(*(pump(i, g) for i, g in enumerate(self.generations)))
+        if include_usage:
+            stream.event(
+                {**self._head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
+            )
+        stream.write("data: [DONE]\n\n")
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.ident, "object": kind, "created": self.created, "model": self.name}
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(g.tokens) for g in self.generations)
         return {
-            "id": ident,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": name,
-            "choices": [choice],
+            "prompt_tokens": self.prompt,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt + completion,
         }
-
-    stream.event(chunk({"role": "assistant", "content": ""}, None))
-    async for piece in generation:
-        stream.event(chunk({"content": piece}, None))
-    stream.event(chunk({}, _finish_reason(generation)))
-    if include_usage:
-        last = chunk({}, None)
-        last["choices"], last["usage"] = [], _usage(generation)
-        stream.event(last)
-    stream.write("data: [DONE]\n\n")
-
-
-def _usage(generation: Any) -> dict[str, int]:
-    prompt, completion = generation.prompt_tokens, len(generation.tokens)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 def _finish_reason(generation: Any) -> str:

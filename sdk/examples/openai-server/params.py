@@ -1,11 +1,12 @@
-"""What the OpenAI request bodies share: messages in the chat template's shape, sampling and
-length parameters, each checked with a 400 that names the bad field."""
+"""What the OpenAI request bodies share: messages in the chat template's shape, sampling, length
+and output-format parameters, each checked with a 400 that names the bad field. A field this
+server does not support is refused by name unless it asks for the API's default behaviour."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from inferlet import Context, Sampler
+from inferlet import Context, HostError, Sampler
 from inferlet.serving import HttpError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -13,22 +14,65 @@ MAX_TOKENS = 4096
 DEFAULT_MAX_TOKENS = 256
 MAX_PROMPT_TOKENS = 32768
 """Prompts are counted before anything runs; a longer one is refused (context_length_exceeded)."""
+MAX_CHOICES = 16
+"""`n` at most: each choice is a branch forked off the one prefilled prompt."""
+
+CHAT_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+    "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
+}  # fmt: skip
+RESPONSES_FIELDS = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
+    "stream", "text", "user",
+}  # fmt: skip
+DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "metadata": ({},),
+    "store": (False,),
+}
+"""Fields not supported yet, accepted only with the value that asks for the default behaviour."""
+
+
+def refuse_unsupported(body: dict[str, Any], supported: set[str]) -> None:
+    """A 400 naming the first field this server would otherwise have to ignore."""
+    for field, value in body.items():
+        if field in supported or value is None or value in DEFAULTS.get(field, ()):
+            continue
+        raise HttpError(400, f"{field}: not supported by this server")
 
 
 class Params:
     def __init__(
-        self, sampler: Sampler, max_tokens: int, stop: list[str], ignore_eos: bool = False
+        self,
+        sampler: Sampler,
+        max_tokens: int,
+        stop: list[str],
+        ignore_eos: bool = False,
+        schema: dict[str, Any] | None = None,
+        n: int = 1,
     ) -> None:
         self.sampler = sampler
         self.max_tokens = max_tokens
         self.stop = stop
         self.ignore_eos = ignore_eos
         """An extension (as in vLLM): go on past the model's stop tokens."""
+        self.schema = schema
+        """The JSON Schema the output must validate against (response_format)."""
+        self.n = n
+        self.format_field = "response_format"
 
     @classmethod
     def of(cls, body: dict[str, Any], *, length_keys: tuple[str, ...]) -> Params:
-        if body.get("n", 1) != 1:
-            raise HttpError(400, "n: only 1 choice per request is supported")
+        n = _int("n", body.get("n", 1))
+        if not 1 <= n <= MAX_CHOICES:
+            raise HttpError(400, f"n: 1 to {MAX_CHOICES} choices")
         length = next((body[k] for k in length_keys if body.get(k) is not None), None)
         max_tokens = DEFAULT_MAX_TOKENS if length is None else _int(length_keys[0], length)
         if not 1 <= max_tokens <= MAX_TOKENS:
@@ -36,28 +80,79 @@ class Params:
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise HttpError(400, "ignore_eos: true or false")
-        return cls(_sampler(body), max_tokens, _stops(body.get("stop")), ignore_eos)
+        stops = _stops(body.get("stop"))
+        params = cls(_sampler(body, 0), max_tokens, stops, ignore_eos, _schema(body), n)
+        params.format_field = "text.format" if "text" in body else "response_format"
+        return params
 
-    def generate(self, ctx: Context) -> Any:
-        return ctx.generate(
-            self.sampler,
-            max_tokens=self.max_tokens,
-            stop_strings=self.stop,
-            stop_tokens=[] if self.ignore_eos else None,
-        )
+    async def choices(self, ctx: Context, body: dict[str, Any]) -> list[Any]:
+        """One generation per choice. With n > 1 the prompt is prefilled once and each choice
+        is a branch forked off it (sharing its KV pages), drawing with `seed + index`."""
+        if self.n == 1:
+            return [self.generate(ctx, self.sampler)]
+        await ctx.flush()
+        return [self.generate(ctx.fork(), _sampler(body, i)) for i in range(self.n)]
+
+    def generate(self, ctx: Context, sampler: Sampler) -> Any:
+        try:
+            return ctx.generate(
+                sampler,
+                max_tokens=self.max_tokens,
+                stop_strings=self.stop,
+                stop_tokens=[] if self.ignore_eos else None,
+                schema=self.schema,
+            )
+        except HostError as error:
+            if error.kind == "invalid" and self.schema is not None:
+                raise HttpError(400, f"{self.format_field}: {error.message}") from None
+            raise
 
 
-def _sampler(body: dict[str, Any]) -> Sampler:
+def _sampler(body: dict[str, Any], choice: int) -> Sampler:
     temperature = _number("temperature", body.get("temperature", 1.0), 0.0, 2.0)
     top_p = _number("top_p", body.get("top_p", 1.0), 0.0, 1.0)
     seed = body.get("seed")
     if seed is not None:
-        seed = _int("seed", seed) % (1 << 63)
+        seed = (_int("seed", seed) + choice) % (1 << 63)
     if temperature == 0:
         return Sampler.argmax()
     if top_p < 1.0:
         return Sampler.top_p(top_p, temperature=temperature, seed=seed)
     return Sampler.multinomial(temperature=temperature, seed=seed)
+
+
+def _schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The schema that `response_format` (Chat Completions) or `text.format` (Responses) asks
+    for: any JSON object for `json_object`, the given schema for `json_schema`."""
+    if "text" in body:
+        text = body["text"]
+        if text is None:
+            return None
+        if not isinstance(text, dict) or set(text) - {"format"}:
+            raise HttpError(400, "text: an object with `format`")
+        return _format_schema(text.get("format"), "text.format", nested=False)
+    return _format_schema(body.get("response_format"), "response_format", nested=True)
+
+
+def _format_schema(fmt: Any, field: str, *, nested: bool) -> dict[str, Any] | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise HttpError(400, f"{field}: type text, json_object or json_schema")
+    spec = fmt.get("json_schema") if nested else fmt
+    where = f"{field}.json_schema" if nested else field
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise HttpError(400, f"{where}: an object with a `name` and a `schema`")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise HttpError(400, f"{where}.schema: a JSON Schema object")
+    # strict or not, the output is held to the schema.
+    return schema
 
 
 def _stops(stop: Any) -> list[str]:

@@ -1,5 +1,6 @@
 """`POST /responses`: the Responses API's text subset (`input` as a string or a list of
-messages, `instructions`), returned whole or as its stream of typed server-sent events."""
+messages, `instructions`), `text.format` for JSON output, returned whole or as its stream of typed
+server-sent events."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from typing import Any
 
 from inferlet import Context, runtime, serving
 from inferlet.serving import HttpError
-from params import Params, chat_messages, prompt_tokens
+from params import RESPONSES_FIELDS, Params, chat_messages, prompt_tokens, refuse_unsupported
 
 
 async def create(model: Any, body: dict[str, Any]) -> Any:
+    refuse_unsupported(body, RESPONSES_FIELDS)
     params = Params.of(body, length_keys=("max_output_tokens",))
     messages = _input_messages(body)
     ident = runtime.instance_id()
     with Context(model) as ctx:
         ctx.fill_tokens(prompt_tokens(model, messages, "input"))
-        generation = params.generate(ctx)
+        generation = params.generate(ctx, params.sampler)
         shell = _Shell(ident, model.name, body)
         if not body.get("stream"):
             text = await generation.collect_text()

@@ -24,13 +24,18 @@ async def main(input: dict[str, Any]) -> dict[str, Any]:
     outputs = await asyncio.gather(
         *(one(branch, grammar, sampler(input, i), input) for i, branch in enumerate(branches))
     )
-    grammar.free()
+    if grammar is not None:
+        grammar.free()
     return {"outputs": outputs}
 
 
-async def one(ctx: Context, grammar: Grammar, sampler: Sampler, input: dict[str, Any]) -> Any:
+async def one(
+    ctx: Context, grammar: Grammar | None, sampler: Sampler, input: dict[str, Any]
+) -> Any:
     generation = ctx.generate(
-        sampler, max_tokens=int(input.get("max_tokens", 256)), grammar=grammar.matcher()
+        sampler,
+        max_tokens=int(input.get("max_tokens", 256)),
+        grammar=None if grammar is None else grammar.matcher(),
     )
     if input.get("stepwise"):
         # The program drives each step itself (masking with the matcher in the guest); the
@@ -41,7 +46,7 @@ async def one(ctx: Context, grammar: Grammar, sampler: Sampler, input: dict[str,
     return {"text": text, "stop_reason": generation.stop_reason, "tokens": len(generation.tokens)}
 
 
-def choose_grammar(model: Any, input: dict[str, Any]) -> Grammar:
+def choose_grammar(model: Any, input: dict[str, Any]) -> Grammar | None:
     if "schema" in input:
         return Grammar.json_schema(model, input["schema"])
     if "regex" in input:
@@ -50,7 +55,9 @@ def choose_grammar(model: Any, input: dict[str, Any]) -> Grammar:
         return Grammar.lark(model, input["lark"])
     if "ebnf" in input:
         return Grammar.ebnf(model, input["ebnf"])
-    return Grammar.any_json(model)
+    if input.get("json"):
+        return Grammar.any_json(model)
+    return None  # unconstrained: the baseline the grammar's cost is measured against
 
 
 def sampler(input: dict[str, Any], i: int) -> Sampler:

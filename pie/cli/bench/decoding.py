@@ -1,0 +1,114 @@
+"""`pie bench decoding`: what the decoding library's strategies cost or save on the configured
+model, each against its plain counterpart, interleaved in one run. `structured`: a generation
+held to a JSON schema by the grammar engine against the same generation unconstrained."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import trio
+
+from pie.build import SDK
+from pie.cli.bench.inferlets import cached_component
+from pie.config import with_overrides
+from pie.engine import Engine, open_engine
+
+STRUCTURED_OUTPUT = SDK / "examples" / "structured-output"
+NUMBERS = {
+    "type": "object",
+    "properties": {
+        "readings": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": 4096,
+        }
+    },
+    "required": ["readings"],
+}
+"""A schema no generation completes within the benchmark's tokens: every step is constrained."""
+PROMPT = "Write a long list of sensor readings as JSON."
+
+
+async def _run(engine: Engine, program: str, request: dict[str, Any]) -> tuple[float, int]:
+    """Wall time of one run of the example, and the tokens its branches generated."""
+    started = time.perf_counter()
+    outcome = await engine.run_inferlet(program, json.dumps(request))
+    wall = time.perf_counter() - started
+    if not outcome.ok or outcome.result is None:
+        raise RuntimeError(f"the benchmark inferlet failed: {outcome.error}")
+    outputs = json.loads(outcome.result)["outputs"]
+    return wall, sum(out["tokens"] for out in outputs)
+
+
+async def _per_token(
+    engine: Engine, program: str, request: dict[str, Any], tokens: int
+) -> tuple[float, int]:
+    """Seconds per generated token from a short and a long run (launch and prefill cancel out),
+    and the tokens of the long run."""
+    short_wall, short_tokens = await _run(engine, program, {**request, "max_tokens": 2})
+    long_wall, long_tokens = await _run(engine, program, {**request, "max_tokens": tokens})
+    return (long_wall - short_wall) / max(1, long_tokens - short_tokens), long_tokens
+
+
+async def _structured(engine: Engine, program: str, args: argparse.Namespace) -> dict[str, Any]:
+    base = {"prompt": PROMPT, "n": args.concurrency, "temperature": 0}
+    modes = {"unconstrained": base, "schema": {**base, "schema": NUMBERS}}
+    grammars = engine.inferlets.models[0].grammars
+    assert grammars is not None
+    for request in modes.values():  # warm-up: compiles the grammar, builds the tokenizer
+        await _run(engine, program, {**request, "max_tokens": 4})
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    tokens: dict[str, int] = {}
+    before = grammars.statistics()
+    for _ in range(args.repeats):
+        for mode, request in modes.items():
+            per_token, tokens[mode] = await _per_token(engine, program, request, args.tokens)
+            seconds[mode].append(per_token)
+    after = grammars.statistics()
+    ratios = [s / u for s, u in zip(seconds["schema"], seconds["unconstrained"], strict=True)]
+    masks = after.masks - before.masks
+    return {
+        "concurrency": args.concurrency,
+        "tokens": tokens,
+        "ms_per_token": {mode: 1e3 * statistics.median(v) for mode, v in seconds.items()},
+        "ratio_median": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+        "mask_us_per_token": 1e6 * (after.mask_seconds - before.mask_seconds) / max(1, masks),
+        "masks": masks,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from pie.cli.options import engine_config
+
+    config = with_overrides(engine_config(args), event_log={"enabled": False})
+    wasm = cached_component(STRUCTURED_OUTPUT)
+
+    async def main() -> dict[str, Any]:
+        async with open_engine(config) as engine:
+            program = engine.programs.add(wasm, name="structured-output").hash
+            return {"structured": await _structured(engine, program, args)}
+
+    return trio.run(main)
+
+
+def run_bench_decoding(args: argparse.Namespace) -> int:
+    figures = measure(args)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    row = figures["structured"]
+    low, high = row["ratio_range"]
+    print(
+        f"structured output: {row['concurrency']} branches, {args.tokens} tokens,"
+        f" {args.repeats} interleaved repeats (medians)"
+    )
+    for mode, ms in row["ms_per_token"].items():
+        print(f"  {mode:<14}{ms:>8.2f} ms/token  ({row['tokens'][mode]} tokens in the long run)")
+    print(f"  schema / unconstrained: {row['ratio_median']:.2f}x (range {low:.2f}-{high:.2f})")
+    print(f"  grammar mask: {row['mask_us_per_token']:.0f} us per token over {row['masks']} masks")
+    return 0
