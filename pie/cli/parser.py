@@ -197,6 +197,10 @@ def _bench_decoding_parser(suites: Commands) -> None:
     decoding.add_argument("--tokens", type=int, default=48, help="tokens per measured run")
     decoding.add_argument("--concurrency", type=int, default=4, help="branches decoding at once")
     decoding.add_argument("--repeats", type=int, default=3)
+    decoding.add_argument("--draft-tokens", type=int, default=4, help="lookup: drafted per pass")
+    decoding.add_argument(
+        "--families", nargs="+", choices=["structured", "lookup"], default=["structured", "lookup"]
+    )
     add_engine_options(decoding)
 
 

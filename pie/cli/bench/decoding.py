@@ -1,6 +1,8 @@
 """`pie bench decoding`: what the decoding library's strategies cost or save on the configured
 model, each against its plain counterpart, interleaved in one run. `structured`: a generation
-held to a JSON schema by the grammar engine against the same generation unconstrained."""
+held to a JSON schema by the grammar engine against the same generation unconstrained.
+`lookup`: speculative decoding with prompt-lookup (and Jacobi) drafts against plain greedy
+generation, on an answer that quotes its prompt."""
 
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from pie.config import with_overrides
 from pie.engine import Engine, open_engine
 
 STRUCTURED_OUTPUT = SDK / "examples" / "structured-output"
+SPECULATIVE = SDK / "examples" / "speculative-decoding"
+QUOTING = (
+    "Copy the following list exactly: apple, banana, cherry, date, elderberry, fig, grape, "
+    "honeydew, kiwi, lemon, mango, nectarine."
+)
 NUMBERS = {
     "type": "object",
     "properties": {
@@ -82,16 +89,55 @@ async def _structured(engine: Engine, program: str, args: argparse.Namespace) ->
     }
 
 
+async def _lookup(engine: Engine, program: str, args: argparse.Namespace) -> dict[str, Any]:
+    base = {"prompt": QUOTING, "max_tokens": args.tokens, "draft_tokens": args.draft_tokens}
+    methods = ("plain", "lookup", "jacobi")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for method in methods:
+            outcome = await engine.run_inferlet(program, json.dumps({**base, "method": method}))
+            if not outcome.ok or outcome.result is None:
+                raise RuntimeError(f"the benchmark inferlet failed: {outcome.error}")
+            if repeat:
+                runs[method].append(json.loads(outcome.result))
+    plain = runs["plain"]
+    row: dict[str, Any] = {"tokens": len(plain[0]["tokens"]), "passes": {}, "seconds": {}}
+    for method in methods:
+        row["passes"][method] = runs[method][0]["passes"]
+        row["seconds"][method] = statistics.median(r["seconds"] for r in runs[method])
+        if method != "plain":
+            last = runs[method][0]
+            speedups = [
+                p["seconds"] / r["seconds"] for p, r in zip(plain, runs[method], strict=True)
+            ]
+            row[method] = {
+                "acceptance": last["accepted"] / max(1, last["drafted"]),
+                "speedup_median": statistics.median(speedups),
+                "speedup_range": [min(speedups), max(speedups)],
+                "same_tokens": all(
+                    r["tokens"] == p["tokens"] for p, r in zip(plain, runs[method], strict=True)
+                ),
+            }
+    return row
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pie.cli.options import engine_config
 
     config = with_overrides(engine_config(args), event_log={"enabled": False})
-    wasm = cached_component(STRUCTURED_OUTPUT)
+    structured = cached_component(STRUCTURED_OUTPUT)
+    speculative = cached_component(SPECULATIVE)
 
     async def main() -> dict[str, Any]:
+        figures: dict[str, Any] = {}
         async with open_engine(config) as engine:
-            program = engine.programs.add(wasm, name="structured-output").hash
-            return {"structured": await _structured(engine, program, args)}
+            if "structured" in args.families:
+                program = engine.programs.add(structured, name="structured-output").hash
+                figures["structured"] = await _structured(engine, program, args)
+            if "lookup" in args.families:
+                program = engine.programs.add(speculative, name="speculative-decoding").hash
+                figures["lookup"] = await _lookup(engine, program, args)
+        return figures
 
     return trio.run(main)
 
@@ -101,7 +147,14 @@ def run_bench_decoding(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    row = figures["structured"]
+    if "structured" in figures:
+        _print_structured(figures["structured"], args)
+    if "lookup" in figures:
+        _print_lookup(figures["lookup"], args)
+    return 0
+
+
+def _print_structured(row: dict[str, Any], args: argparse.Namespace) -> None:
     low, high = row["ratio_range"]
     print(
         f"structured output: {row['concurrency']} branches, {args.tokens} tokens,"
@@ -111,4 +164,20 @@ def run_bench_decoding(args: argparse.Namespace) -> int:
         print(f"  {mode:<14}{ms:>8.2f} ms/token  ({row['tokens'][mode]} tokens in the long run)")
     print(f"  schema / unconstrained: {row['ratio_median']:.2f}x (range {low:.2f}-{high:.2f})")
     print(f"  grammar mask: {row['mask_us_per_token']:.0f} us per token over {row['masks']} masks")
-    return 0
+
+
+def _print_lookup(row: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"speculative decoding: {row['tokens']} greedy tokens, up to {args.draft_tokens} drafted"
+        f" per pass, {args.repeats} interleaved repeats (medians)"
+    )
+    for method in ("plain", "lookup", "jacobi"):
+        line = f"  {method:<8}{row['seconds'][method]:>8.2f} s {row['passes'][method]:>5} passes"
+        if method != "plain":
+            m = row[method]
+            low, high = m["speedup_range"]
+            line += (
+                f"  acceptance {m['acceptance']:.2f}  speed-up {m['speedup_median']:.2f}x"
+                f" ({low:.2f}-{high:.2f})  same tokens: {m['same_tokens']}"
+            )
+        print(line)

@@ -11,6 +11,7 @@ from inferlet.generation import Generation
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model, get_model, models
 from inferlet.sampling import Distribution, Probe, Sampler
+from inferlet.speculative import Jacobi, PromptLookup, Speculation, speculate
 
 __all__ = [
     "Context",
@@ -19,10 +20,13 @@ __all__ = [
     "Generation",
     "Grammar",
     "HostError",
+    "Jacobi",
     "Matcher",
     "Model",
     "Probe",
+    "PromptLookup",
     "Sampler",
+    "Speculation",
     "get_model",
     "http",
     "mcp",
@@ -31,4 +35,5 @@ __all__ = [
     "runs",
     "runtime",
     "session",
+    "speculate",
 ]
