@@ -11,9 +11,12 @@ from inferlet.generation import Generation
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model, get_model, models
 from inferlet.sampling import Distribution, Probe, Sampler
+from inferlet.search import Beam, Candidate, beam_search, best_of_n, token_logprobs
 from inferlet.speculative import Jacobi, PromptLookup, Speculation, speculate
 
 __all__ = [
+    "Beam",
+    "Candidate",
     "Context",
     "Distribution",
     "Forward",
@@ -27,6 +30,8 @@ __all__ = [
     "PromptLookup",
     "Sampler",
     "Speculation",
+    "beam_search",
+    "best_of_n",
     "get_model",
     "http",
     "mcp",
@@ -36,4 +41,5 @@ __all__ = [
     "runtime",
     "session",
     "speculate",
+    "token_logprobs",
 ]
