@@ -191,16 +191,17 @@ def _bench_inferlets_parser(suites: Commands) -> None:
 
 def _bench_decoding_parser(suites: Commands) -> None:
     decoding = suites.add_parser(
-        "decoding", help="decoding strategies (structured output) against their plain forms"
+        "decoding",
+        help="decoding strategies against their plain forms",
     )
     decoding.add_argument("--json", action="store_true", help="print one JSON object")
     decoding.add_argument("--tokens", type=int, default=48, help="tokens per measured run")
     decoding.add_argument("--concurrency", type=int, default=4, help="branches decoding at once")
     decoding.add_argument("--repeats", type=int, default=3)
     decoding.add_argument("--draft-tokens", type=int, default=4, help="lookup: drafted per pass")
-    decoding.add_argument(
-        "--families", nargs="+", choices=["structured", "lookup"], default=["structured", "lookup"]
-    )
+    decoding.add_argument("--n", type=int, default=8, help="best-of-n: branches")
+    families = ["structured", "lookup", "best-of-n"]
+    decoding.add_argument("--families", nargs="+", choices=families, default=families)
     add_engine_options(decoding)
 
 

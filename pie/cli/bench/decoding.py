@@ -2,7 +2,8 @@
 model, each against its plain counterpart, interleaved in one run. `structured`: a generation
 held to a JSON schema by the grammar engine against the same generation unconstrained.
 `lookup`: speculative decoding with prompt-lookup (and Jacobi) drafts against plain greedy
-generation, on an answer that quotes its prompt."""
+generation, on an answer that quotes its prompt. `best-of-n`: n branches forked off one
+prefilled prompt against n separate prompts (time and peak KV pages)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from pie.engine import Engine, open_engine
 
 STRUCTURED_OUTPUT = SDK / "examples" / "structured-output"
 SPECULATIVE = SDK / "examples" / "speculative-decoding"
+BEST_OF_N = SDK / "examples" / "best-of-n"
+LONG_PROMPT = "Summarise this in one sentence: " + " ".join(
+    ["the tide comes in over the flats and goes out again by the old harbour wall"] * 24
+)
 QUOTING = (
     "Copy the following list exactly: apple, banana, cherry, date, elderberry, fig, grape, "
     "honeydew, kiwi, lemon, mango, nectarine."
@@ -121,12 +126,56 @@ async def _lookup(engine: Engine, program: str, args: argparse.Namespace) -> dic
     return row
 
 
+async def _peak_pages(engine: Engine, program: str, request: dict[str, Any]) -> tuple[float, int]:
+    """Wall time of one run and the most KV pages in use while it ran."""
+    stats = engine.statistics().kv
+    lowest = stats.pages_free
+
+    async def watch() -> None:
+        nonlocal lowest
+        while True:
+            lowest = min(lowest, engine.statistics().kv.pages_free)
+            await trio.sleep(0.002)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        started = time.perf_counter()
+        outcome = await engine.run_inferlet(program, json.dumps(request))
+        wall = time.perf_counter() - started
+        nursery.cancel_scope.cancel()
+    if not outcome.ok:
+        raise RuntimeError(f"the benchmark inferlet failed: {outcome.error}")
+    return wall, stats.pages_total - lowest
+
+
+async def _best_of_n(engine: Engine, program: str, args: argparse.Namespace) -> dict[str, Any]:
+    base = {"prompt": LONG_PROMPT, "n": args.n, "max_tokens": args.tokens, "seed": 1}
+    modes = {"forked": base, "separate": {**base, "separate": True}}
+    await _peak_pages(engine, program, {**base, "max_tokens": 2})  # warm-up
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    pages: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for mode, request in modes.items():
+            wall, pages[mode] = await _peak_pages(engine, program, request)
+            seconds[mode].append(wall)
+    ratios = [s / f for f, s in zip(seconds["forked"], seconds["separate"], strict=True)]
+    return {
+        "n": args.n,
+        "prompt_tokens": len(engine.tokenizer.encode(LONG_PROMPT)),
+        "seconds": {m: statistics.median(v) for m, v in seconds.items()},
+        "peak_pages": pages,
+        "separate_over_forked_median": statistics.median(ratios),
+        "separate_over_forked_range": [min(ratios), max(ratios)],
+    }
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pie.cli.options import engine_config
 
     config = with_overrides(engine_config(args), event_log={"enabled": False})
     structured = cached_component(STRUCTURED_OUTPUT)
     speculative = cached_component(SPECULATIVE)
+    best = cached_component(BEST_OF_N)
 
     async def main() -> dict[str, Any]:
         figures: dict[str, Any] = {}
@@ -137,6 +186,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if "lookup" in args.families:
                 program = engine.programs.add(speculative, name="speculative-decoding").hash
                 figures["lookup"] = await _lookup(engine, program, args)
+        if "best-of-n" in args.families:
+            # Without the prefix cache, so that separate prompts cannot share pages either.
+            plain = with_overrides(config, kv={"prefix_cache": "off"})
+            async with open_engine(plain) as engine:
+                program = engine.programs.add(best, name="best-of-n").hash
+                figures["best-of-n"] = await _best_of_n(engine, program, args)
         return figures
 
     return trio.run(main)
@@ -151,7 +206,20 @@ def run_bench_decoding(args: argparse.Namespace) -> int:
         _print_structured(figures["structured"], args)
     if "lookup" in figures:
         _print_lookup(figures["lookup"], args)
+    if "best-of-n" in figures:
+        _print_best_of_n(figures["best-of-n"], args)
     return 0
+
+
+def _print_best_of_n(row: dict[str, Any], args: argparse.Namespace) -> None:
+    low, high = row["separate_over_forked_range"]
+    print(
+        f"best-of-{row['n']}: {row['prompt_tokens']}-token prompt, {args.tokens} tokens per"
+        f" branch, {args.repeats} interleaved repeats (medians), prefix cache off"
+    )
+    for mode in ("forked", "separate"):
+        print(f"  {mode:<9}{row['seconds'][mode]:>8.2f} s  peak {row['peak_pages'][mode]} KV pages")
+    print(f"  separate / forked: {row['separate_over_forked_median']:.2f}x ({low:.2f}-{high:.2f})")
 
 
 def _print_structured(row: dict[str, Any], args: argparse.Namespace) -> None:
