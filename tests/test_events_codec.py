@@ -25,6 +25,7 @@ from pie.events.sampling import (
     DistributionOutput,
     Entropy,
     EntropyOutput,
+    LogitBias,
     LogitsOutput,
     LogProbs,
     LogProbsOutput,
@@ -83,6 +84,7 @@ REQUEST = ForwardRequest(
     masked_pages=(1,),
     attention_masks=tuple((0, 6 + i) for i in range(10)),
     logit_mask=(10, 5, 985),
+    logit_bias=(LogitBias(mask=(0, 10, 990), value=-2.5),),
     slots=SLOTS,
     copies=(PageCopy(src=3, dst=2),),
     final=False,
@@ -103,6 +105,7 @@ APPLIED = spec_ev.LanePassApplied(
 
 SAMPLES = (
     LEASE,
+    LogitBias(mask=(3, 997), value=7.5),
     http_ev.HttpFetch(
         corr=4,
         requester="inferlet:1",

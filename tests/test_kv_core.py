@@ -15,7 +15,7 @@ from pie.actors.kv.core import KvStatistics
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
-from pie.events.sampling import Argmax, Entropy, LogProbs, SamplingSlot, TopP
+from pie.events.sampling import Argmax, Entropy, LogitBias, LogProbs, SamplingSlot, TopP
 from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
 
 pytestmark = pytest.mark.unit
@@ -616,6 +616,13 @@ def test_a_reservation_refused_for_lack_of_pages_changes_nothing() -> None:
         ({"tokens": (1,), "slots": (SamplingSlot(index=0, op=LogProbs(tokens=(100,))),)}, "[100]"),
         ({"tokens": (1,), "logit_mask": (50, 49)}, "logit mask covers 99 entries, expected 100"),
         ({"tokens": (1,), "logit_mask": (101, -1)}, "logit mask has a negative run"),
+        ({"tokens": (1,), "logit_bias": (LogitBias(mask=(99,), value=1.0),)}, "covers 99"),
+        ({"tokens": (1,), "logit_bias": (LogitBias(mask=(100,), value=101.0),)}, "-100 to 100"),
+        (
+            {"tokens": (1,), "logit_bias": (LogitBias(mask=(100,), value=float("nan")),)},
+            "logit bias 0",
+        ),
+        ({"tokens": (1,), "logit_bias": (LogitBias(mask=(100,), value=1.0),) * 65}, "at most 64"),
         ({"tokens": (1, 2), "attention_masks": ((4,),)}, "1 attention masks for 2 tokens"),
         ({"tokens": (1, 2), "attention_masks": ((3,), (2, 3))}, "mask of token 1 covers 5"),
     ],
@@ -855,6 +862,7 @@ def test_a_plain_decode_asking_for_the_fast_path_is_granted_a_lease() -> None:
         ((6,), {"slots": ()}),
         ((6,), {"attention_masks": ((6,),)}),
         ((6,), {"logit_mask": (100,)}),
+        ((6,), {"logit_bias": (LogitBias(mask=(100,), value=1.0),)}),
         ((6, 7, 8), {}),
     ],
     ids=[
@@ -865,6 +873,7 @@ def test_a_plain_decode_asking_for_the_fast_path_is_granted_a_lease() -> None:
         "no slot",
         "attention masks",
         "a logit mask",
+        "a logit bias",
         "no room left",
     ],
 )

@@ -284,7 +284,7 @@ async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
         refused = {
             "logprobs": {"logprobs": True},
             "presence_penalty": {"presence_penalty": 0.5},
-            "logit_bias": {"logit_bias": {"42": 5}},
+            "frequency_penalty": {"frequency_penalty": 0.3},
             "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "frobnicate": {"extra_body": {"frobnicate": 1}},
         }
@@ -303,3 +303,27 @@ async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
                 lambda: complete(presence_penalty=0, frequency_penalty=0, logprobs=False, n=1)
             )
     assert served.choices[0].message.content
+
+
+async def test_logit_bias_is_honoured_and_a_bad_one_refused(real: Any, server_wasm: bytes) -> None:
+    _, _, tokenizer = real
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+
+        def complete(**extra: Any) -> Any:
+            return client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=4, temperature=0, **extra
+            )
+
+        with trio.fail_after(600):
+            plain = await in_thread(complete)
+            first = tokenizer.encode(plain.choices[0].message.content)[0]
+            zebra = tokenizer.encode("Zebra")[0]
+            banned = await in_thread(lambda: complete(logit_bias={str(first): -100}))
+            forced = await in_thread(lambda: complete(logit_bias={str(zebra): 100}))
+            with pytest.raises(openai.BadRequestError, match="logit_bias") as error:
+                await in_thread(lambda: complete(logit_bias={"-3": 5}))
+            assert error.value.body["param"] == "logit_bias"
+    assert tokenizer.encode(banned.choices[0].message.content)[0] != first
+    assert forced.choices[0].message.content.startswith(tokenizer.decode([zebra]))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from attrs import define, field
 
 from pie.events.forward import ForwardRequest
-from pie.events.sampling import Rle, SlotOp
+from pie.events.sampling import LogitBias, Rle, SlotOp
 
 
 @define(kw_only=True)
@@ -28,6 +28,7 @@ class ForwardBatch:
     masked_pages: list[tuple[int, ...]] = field(factory=list)
     attention_masks: list[tuple[Rle, ...] | None] = field(factory=list)
     logit_masks: list[Rle | None] = field(factory=list)
+    logit_biases: list[tuple[LogitBias, ...]] = field(factory=list)
     slot_requests: list[int] = field(factory=list)
     """For each sampling slot, the request it belongs to."""
     slot_tokens: list[int] = field(factory=list)
@@ -62,6 +63,7 @@ class ForwardBatch:
         self.masked_pages.append(req.masked_pages)
         self.attention_masks.append(req.attention_masks)
         self.logit_masks.append(req.logit_mask)
+        self.logit_biases.append(req.logit_bias)
         for slot in req.slots:
             self.slot_requests.append(r)
             self.slot_tokens.append(base + slot.index)
@@ -90,3 +92,4 @@ class ForwardBatch:
         self.masked_pages.append(masked_pages)
         self.attention_masks.append(None)
         self.logit_masks.append(None)
+        self.logit_biases.append(())

@@ -164,12 +164,16 @@ def read_slots(
     ops: Sequence[SlotOp],
     generator: torch.Generator,
     allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> list[SlotOutput]:
-    """One output per slot, in slot order; row i of `logits` [N, V] belongs to ops[i].
+    """One output per slot, in slot order; row i of `logits` [N, V] belongs to ops[i]. `bias`
+    ([N, V], or None) is added first, then the logit mask `allowed` applies.
 
     Every token and probe value is computed where the logits are and comes back to the host
     in one copy (float64 holds token ids and float32 values exactly).
     """
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
     logits = mask_logits(logits, allowed)
     token_slots, tokens = _token_tensors(logits, ops, generator)
     parts = [t.double() for t in tokens]

@@ -17,6 +17,7 @@ from pie.events.sampling import (
     DistributionOutput,
     Entropy,
     EntropyOutput,
+    LogitBias,
     LogitsOutput,
     LogProbs,
     LogProbsOutput,
@@ -59,9 +60,10 @@ class SyntheticDriver:
         self._check(batch)
         vocab = self.info.vocab_size
         allowed = [None if m is None else _allowed(m, vocab) for m in batch.logit_masks]
+        biases = [_biases(b, vocab) if b else None for b in batch.logit_biases]
         self.batches.append(batch)
         outputs = [
-            self._read(batch.token_ids[t], op, allowed[r])
+            self._read(batch.token_ids[t], op, allowed[r], biases[r])
             for r, t, op in zip(batch.slot_requests, batch.slot_tokens, batch.slot_ops, strict=True)
         ]
         _wait_until(started + self.pass_seconds)
@@ -79,11 +81,19 @@ class SyntheticDriver:
         if pages and (min(pages) < 0 or max(pages) >= info.num_pages):
             raise DriverError("page index out of range")
 
-    def _read(self, token: int, op: SlotOp, allowed: list[bool] | None) -> SlotOutput:
+    def _read(
+        self, token: int, op: SlotOp, allowed: list[bool] | None, bias: list[float] | None
+    ) -> SlotOutput:
         vocab = self.info.vocab_size
         nominal = (token + 1) % vocab
         following = nominal
-        if allowed is not None and not allowed[nominal]:
+        if bias is not None:
+            # The nominal token's logit is 1 and every other's 0, before the bias.
+            scores = [b + (i == nominal) for i, b in enumerate(bias)]
+            if allowed is not None:
+                scores = [x if ok else float("-inf") for x, ok in zip(scores, allowed, strict=True)]
+            following = scores.index(max(scores))
+        elif allowed is not None and not allowed[nominal]:
             # Every allowed token's logit is 0 then; the first of them is the argmax.
             following = allowed.index(True)
         if isinstance(op, SAMPLERS):
@@ -92,6 +102,8 @@ class SyntheticDriver:
             return DistributionOutput(tokens=(following,), probs=(1.0,))
         if isinstance(op, RawLogits):
             values = [1.0 if i == nominal else 0.0 for i in range(vocab)]
+            if bias is not None:
+                values = [v + b for v, b in zip(values, bias, strict=True)]
             if allowed is not None:
                 values = [v if ok else float("-inf") for v, ok in zip(values, allowed, strict=True)]
             return LogitsOutput(values=tuple(values))
@@ -102,6 +114,19 @@ class SyntheticDriver:
         if isinstance(op, Entropy):
             return EntropyOutput(value=0.0)
         raise DriverError(f"unknown slot op {op!r}")
+
+
+def _biases(biases: tuple[LogitBias, ...], vocab_size: int) -> list[float]:
+    total = [0.0] * vocab_size
+    for bias in biases:
+        try:
+            selected = rle_to_bools(bias.mask, vocab_size)
+        except ValueError as err:
+            raise DriverError(f"logit bias: {err}") from None
+        for i, chosen in enumerate(selected):
+            if chosen:
+                total[i] += bias.value
+    return total
 
 
 def _allowed(logit_mask: Rle, vocab_size: int) -> list[bool]:

@@ -3,6 +3,7 @@ runs the model with paged attention, and reads every sampling slot out of the lo
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,7 @@ def _check_shape(batch: ForwardBatch, info: DriverInfo) -> None:
         "masked_pages": len(batch.masked_pages),
         "attention_masks": len(batch.attention_masks),
         "logit_masks": len(batch.logit_masks),
+        "logit_biases": len(batch.logit_biases),
     }
     for name, count in per_request.items():
         if count != r:
@@ -95,6 +97,10 @@ def _check_request(batch: ForwardBatch, r: int, info: DriverInfo) -> None:
         _check_rle(logit_mask, (info.vocab_size,), f"{what} logit mask")
         if sum(logit_mask[0::2]) == 0:
             raise DriverError(f"{what} logit mask allows no token")
+    for i, bias in enumerate(batch.logit_biases[r]):
+        _check_rle(bias.mask, (info.vocab_size,), f"{what} logit bias {i}")
+        if not math.isfinite(bias.value):
+            raise DriverError(f"{what} logit bias {i} is not a finite number")
 
 
 def _check_slots(batch: ForwardBatch, info: DriverInfo) -> None:
@@ -209,11 +215,12 @@ class TorchDriver:
         validate_batch(batch, self.info)
         prepared = self._prepare(batch)
         allowed = self._allowed_tokens(batch)
+        bias = self._slot_bias(batch)
         self._copy_pages(batch.copies)
         logits = self._slot_logits(batch, prepared)
         if logits is None:
             return []
-        return read_slots(logits, batch.slot_ops, self.generator, allowed)
+        return read_slots(logits, batch.slot_ops, self.generator, allowed, bias)
 
     def _prepare(self, batch: ForwardBatch) -> Any:
         """What the pass needs built before any KV page changes: its attention."""
@@ -244,6 +251,24 @@ class TorchDriver:
         allowed = torch.ones((len(batch.slot_ops), self.info.vocab_size), dtype=torch.bool)
         allowed[[i for i, _ in masked]] = rle_rows([m for _, m in masked], self.info.vocab_size)
         return allowed.to(self.cache.device)
+
+    def _slot_bias(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """[slots, vocab] float: the sum of each slot's request logit biases; None when no
+        request has one."""
+        if not any(batch.logit_biases):
+            return None
+        vocab = self.info.vocab_size
+        per_request: dict[int, torch.Tensor] = {}
+        for r, biases in enumerate(batch.logit_biases):
+            if biases:
+                rows = rle_rows([b.mask for b in biases], vocab).float()
+                values = torch.tensor([b.value for b in biases], dtype=torch.float32)
+                per_request[r] = values @ rows
+        bias = torch.zeros((len(batch.slot_ops), vocab), dtype=torch.float32)
+        for i, r in enumerate(batch.slot_requests):
+            if r in per_request:
+                bias[i] = per_request[r]
+        return bias.to(self.cache.device)
 
     def _copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
         if not copies:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from attrs import frozen
 
-from pie.events.sampling import Rle, SamplingSlot
+from pie.events.sampling import LogitBias, Rle, SamplingSlot
 from pie.events.speculation import Lease
 
 
@@ -38,6 +38,8 @@ class ForwardRequest:
     """Per input token, a mask over kv slots [0, kv_start + i + 1); None means causal."""
     logit_mask: Rle | None = None
     """A mask over the vocabulary applied before every slot's sampler or probe."""
+    logit_bias: tuple[LogitBias, ...] = ()
+    """Added to every slot's logits before the mask."""
     slots: tuple[SamplingSlot, ...] = ()
     copies: tuple[PageCopy, ...] = ()
     final: bool = True

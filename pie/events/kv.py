@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attrs import field, frozen
 
-from pie.events.sampling import Rle, SamplingSlot
+from pie.events.sampling import LogitBias, Rle, SamplingSlot
 
 
 @frozen(kw_only=True)
@@ -120,6 +120,7 @@ class SubmitForward:
     """None continues from the context's last position."""
     attention_masks: tuple[Rle, ...] | None = None
     logit_mask: Rle | None = None
+    logit_bias: tuple[LogitBias, ...] = ()
     slots: tuple[SamplingSlot, ...] = ()
     fast: bool = False
     """The requester can take the context's next plain decodes on the fast path (a lease)."""

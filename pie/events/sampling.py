@@ -33,6 +33,15 @@ def _min_one(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
 
 
 @frozen(kw_only=True)
+class LogitBias:
+    """Adds `value` to the logits of the tokens `mask` selects (run lengths over the vocabulary),
+    before the logit mask, samplers and probes: `logit_bias` of the OpenAI API, watermarks."""
+
+    mask: Rle
+    value: float
+
+
+@frozen(kw_only=True)
 class Argmax:
     """The most likely token (greedy)."""
 

@@ -13,6 +13,7 @@ from pie.events.sampling import (
     Argmax,
     Distribution,
     Entropy,
+    LogitBias,
     LogProbs,
     MinP,
     Multinomial,
@@ -205,6 +206,40 @@ class SamplingContract(DriverRunner):
         if self.computes_model:
             assert abs(shown - raw.log_softmax(-1)[asked[1]].item()) <= PROBE_TOLERANCE
             assert abs(value - entropy(raw)) <= PROBE_TOLERANCE
+
+    def test_a_logit_bias_shifts_the_logits_before_the_mask_and_the_samplers(
+        self, new_driver: NewDriver
+    ) -> None:
+        driver = new_driver()
+        start, pages, last = self._sampling_context(driver)
+        [unbiased] = run(driver, request(start, last, pages))
+        plain = logits_of(unbiased)
+        vocab = driver.info.vocab_size
+        low = plain.argsort()[: vocab // 2].tolist()  # the less likely half
+        boosted = [i in set(low) for i in range(vocab)]
+        favourite = int(plain.argmax())
+        allowed = [i != low[0] for i in range(vocab)]  # the mask still wins over the bias
+        biases = (
+            LogitBias(mask=bools_to_rle(boosted), value=60.0),
+            LogitBias(mask=bools_to_rle([i == favourite for i in range(vocab)]), value=-5.0),
+        )
+        raw_out, argmax_out = run(
+            driver,
+            request(
+                start,
+                last,
+                pages,
+                (RawLogits(), Argmax()),
+                logit_bias=biases,
+                logit_mask=bools_to_rle(allowed),
+            ),
+        )
+        expected = plain + 60.0 * torch.tensor(boosted, dtype=plain.dtype)
+        expected[favourite] -= 5.0
+        expected = expected.masked_fill(~torch.tensor(allowed), float("-inf"))
+        assert_close(logits_of(raw_out), expected, self.logit_tolerance)
+        chosen = token_of(argmax_out)
+        assert boosted[chosen] and allowed[chosen]
 
     # -- probes ------------------------------------------------------------------------------
 

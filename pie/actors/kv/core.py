@@ -201,6 +201,7 @@ class KvCore:
             masked_pages=tuple(sorted(chain.masked)),
             attention_masks=event.attention_masks,
             logit_mask=event.logit_mask,
+            logit_bias=event.logit_bias,
             slots=event.slots,
             copies=copies,
             lease=lease,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from pie.events.kv import SubmitForward
-from pie.events.sampling import Distribution, LogProbs, RawLogits, SlotOp
+from pie.events.sampling import Distribution, LogitBias, LogProbs, RawLogits, SlotOp
 
 MAX_POSITION = 2**31
 """Attention kernels (flashinfer) take positions as int32; the page hash packs them as int64."""
@@ -50,6 +50,7 @@ def validate_forward(
     _check_outputs(event, vocab_size, limits or OutputLimits())
     if event.logit_mask is not None:
         _check_runs("logit mask", event.logit_mask, (vocab_size,))
+    _check_biases(event.logit_bias, vocab_size)
     if event.attention_masks is not None:
         if len(event.attention_masks) != count:
             raise RequestError(
@@ -96,6 +97,21 @@ def _values(op: SlotOp, vocab_size: int) -> int:
         case LogProbs():
             return len(op.tokens)
     return 1
+
+
+MAX_BIASES = 64
+MAX_BIAS = 100.0
+
+
+def _check_biases(biases: tuple[LogitBias, ...], vocab_size: int) -> None:
+    if len(biases) > MAX_BIASES:
+        raise RequestError("invalid", f"at most {MAX_BIASES} logit biases per pass")
+    for i, bias in enumerate(biases):
+        _check_runs(f"logit bias {i}", bias.mask, (vocab_size,))
+        if not -MAX_BIAS <= bias.value <= MAX_BIAS:
+            raise RequestError(
+                "invalid", f"logit bias {i}: a value from -{MAX_BIAS:g} to {MAX_BIAS:g}"
+            )
 
 
 def _check_runs(what: str, runs: tuple[int, ...], lengths: tuple[int, ...]) -> None:

@@ -59,12 +59,18 @@ def _slots(slots: list[Any]) -> tuple[s.SamplingSlot, ...]:
         raise HostFailure("invalid", str(exc)) from exc
 
 
+def logit_biases(biases: list[Any]) -> tuple[s.LogitBias, ...]:
+    """The program's logit biases; their bounds are checked with the rest of the pass."""
+    return tuple(s.LogitBias(mask=tuple(b.mask), value=float(b.value)) for b in biases)
+
+
 def execute(pass_: Any) -> int:
     state = current()
     state.runs.forbid(pass_.context)
     positions = _get(pass_, "positions")
     masks = _get(pass_, "attention-masks")
     logit_mask = _get(pass_, "logit-mask")
+    bias = logit_biases(_get(pass_, "logit-bias"))
     tokens = tuple(pass_.tokens)
     slots = _slots(pass_.slots)
     positions = None if positions is None else tuple(positions)
@@ -72,7 +78,7 @@ def execute(pass_: Any) -> int:
     if lanes is not None:
         context = pass_.context
         try:
-            if masks is None and logit_mask is None:
+            if masks is None and logit_mask is None and not bias:
                 corr = state.next_corr()
                 handle, fill = state.expect("forward")
                 if lanes.submit(context, state.address, corr, tokens, positions, slots, fill):
@@ -90,6 +96,7 @@ def execute(pass_: Any) -> int:
         positions=positions,
         attention_masks=None if masks is None else tuple(tuple(m) for m in masks),
         logit_mask=None if logit_mask is None else tuple(logit_mask),
+        logit_bias=bias,
         slots=slots,
         fast=lanes is not None,
     )

@@ -13,7 +13,7 @@ from pie.events import kv as ev
 from pie.events import sampling as s
 from pie.events.speculation import LaneBusy
 from pie.grammar import GrammarError
-from pie.sandbox.host.forward import slot_op
+from pie.sandbox.host.forward import logit_biases, slot_op
 from pie.sandbox.host.runs import Run, RunFailed, RunSpec
 from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
 from pie.sandbox.wasm import add_host_func, record
@@ -102,6 +102,7 @@ def run_spec(params: Any) -> RunSpec:
             stop_tokens=frozenset(getattr(params, "stop-tokens")),
             stop_strings=stops,
             logit_mask=None if mask is None else tuple(mask),
+            logit_bias=logit_biases(getattr(params, "logit-bias")),
             deliver_every=getattr(params, "deliver-every"),
             text=params.text,
         )
@@ -122,7 +123,7 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
     ) -> None:
         slots = (s.SamplingSlot(index=len(tokens) - 1, op=op),)
         corr = state.next_corr()
-        if lanes is not None and mask is None:
+        if lanes is not None and mask is None and not spec.logit_bias:
             try:
                 if lanes.submit(spec.context, state.address, corr, tokens, None, slots, deliver):
                     return
@@ -137,6 +138,7 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             positions=None,
             attention_masks=None,
             logit_mask=mask,
+            logit_bias=spec.logit_bias,
             slots=slots,
             fast=lanes is not None,
         )

@@ -21,7 +21,7 @@ from attrs import frozen
 
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
-from pie.events.sampling import Rle, SlotOp, TokenOutput
+from pie.events.sampling import LogitBias, Rle, SlotOp, TokenOutput
 from pie.grammar import GrammarError, Matcher, intersect
 from pie.sandbox.host.textstream import Decode, TextStream
 
@@ -48,6 +48,7 @@ class RunSpec:
     stop_tokens: frozenset[int]
     stop_strings: tuple[str, ...] = ()
     logit_mask: Rle | None = None
+    logit_bias: tuple[LogitBias, ...] = ()
     deliver_every: int = 0
     """Wake the program every this many new tokens; 0: only when the run ends."""
     text: bool = False

@@ -69,7 +69,9 @@ async def _route(request: Request) -> Any:
 
 async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
     refuse_unsupported(body, CHAT_FIELDS)
-    params = Params.of(body, length_keys=("max_completion_tokens", "max_tokens"))
+    params = Params.of(
+        body, length_keys=("max_completion_tokens", "max_tokens"), vocab_size=model.vocab_size
+    )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise HttpError(400, "stream_options: an object")

@@ -20,6 +20,7 @@ MAX_CHOICES = 16
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
+    "logit_bias",
 }  # fmt: skip
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
@@ -30,7 +31,6 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0),
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False),
@@ -57,6 +57,7 @@ class Params:
         ignore_eos: bool = False,
         schema: dict[str, Any] | None = None,
         n: int = 1,
+        logit_bias: list[tuple[list[int], float]] | None = None,
     ) -> None:
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -67,9 +68,13 @@ class Params:
         """The JSON Schema the output must validate against (response_format)."""
         self.n = n
         self.format_field = "response_format"
+        self.logit_bias = logit_bias or []
+        """(run-length mask, value) pairs: OpenAI's `logit_bias`, one pair per distinct value."""
 
     @classmethod
-    def of(cls, body: dict[str, Any], *, length_keys: tuple[str, ...]) -> Params:
+    def of(
+        cls, body: dict[str, Any], *, length_keys: tuple[str, ...], vocab_size: int = 0
+    ) -> Params:
         n = _int("n", body.get("n", 1))
         if not 1 <= n <= MAX_CHOICES:
             raise HttpError(400, f"n: 1 to {MAX_CHOICES} choices")
@@ -82,6 +87,7 @@ class Params:
             raise HttpError(400, "ignore_eos: true or false")
         stops = _stops(body.get("stop"))
         params = cls(_sampler(body, 0), max_tokens, stops, ignore_eos, _schema(body), n)
+        params.logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
         params.format_field = "text.format" if "text" in body else "response_format"
         return params
 
@@ -101,6 +107,7 @@ class Params:
                 stop_strings=self.stop,
                 stop_tokens=[] if self.ignore_eos else None,
                 schema=self.schema,
+                logit_bias=self.logit_bias,
             )
         except HostError as error:
             if error.kind == "invalid" and self.schema is not None:
@@ -119,6 +126,37 @@ def _sampler(body: dict[str, Any], choice: int) -> Sampler:
     if top_p < 1.0:
         return Sampler.top_p(top_p, temperature=temperature, seed=seed)
     return Sampler.multinomial(temperature=temperature, seed=seed)
+
+
+MAX_BIASED_TOKENS = 300
+
+
+def _logit_bias(given: Any, vocab_size: int) -> list[tuple[list[int], float]]:
+    """`{"token id": bias}` (bias -100 to 100) as one run-length mask per distinct bias."""
+    if given is None:
+        return []
+    if not isinstance(given, dict) or len(given) > MAX_BIASED_TOKENS:
+        raise HttpError(400, f"logit_bias: an object of at most {MAX_BIASED_TOKENS} token ids")
+    by_value: dict[float, list[int]] = {}
+    for key, value in given.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise HttpError(400, f"logit_bias: {key!r} is not a token id below {vocab_size}")
+        by_value.setdefault(_number("logit_bias", value, -100, 100), []).append(token)
+    return [(_runs(sorted(tokens), vocab_size), v) for v, tokens in by_value.items() if v]
+
+
+def _runs(tokens: list[int], vocab_size: int) -> list[int]:
+    """Run lengths selecting exactly `tokens` (sorted, distinct) out of the vocabulary."""
+    runs, cursor = [0], 0
+    for token in tokens:
+        if runs[-1] and token == cursor:
+            runs[-1] += 1
+        else:
+            runs += [token - cursor, 1]
+        cursor = token + 1
+    runs.append(vocab_size - cursor)
+    return runs
 
 
 def _schema(body: dict[str, Any]) -> dict[str, Any] | None:

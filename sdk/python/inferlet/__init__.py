@@ -13,6 +13,7 @@ from inferlet.model import Model, get_model, models
 from inferlet.sampling import Distribution, Probe, Sampler
 from inferlet.search import Beam, Candidate, beam_search, best_of_n, token_logprobs
 from inferlet.speculative import Jacobi, PromptLookup, Speculation, speculate
+from inferlet.watermark import Watermark
 
 __all__ = [
     "Beam",
@@ -30,6 +31,7 @@ __all__ = [
     "PromptLookup",
     "Sampler",
     "Speculation",
+    "Watermark",
     "beam_search",
     "best_of_n",
     "get_model",

@@ -15,7 +15,7 @@ from wit_world.imports import forward as fw
 from inferlet.chat import ChatState
 from inferlet.errors import call
 from inferlet.forward import Forward, run_pass
-from inferlet.generation import Generation
+from inferlet.generation import Generation, StepBias
 from inferlet.grammar import Grammar, Matcher, grammar_for
 from inferlet.model import Message, Model
 from inferlet.sampling import Sampler
@@ -124,6 +124,8 @@ class Context:
         schema: Mapping[str, Any] | str | bool | None = None,
         regex: str | None = None,
         grammar: str | Grammar | Matcher | None = None,
+        logit_bias: Iterable[tuple[Sequence[int], float]] = (),
+        step_bias: StepBias | None = None,
     ) -> Generation:
         """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
         stop tokens) or once the text contains one of `stop_strings`. `logit_mask` (run lengths
@@ -134,7 +136,10 @@ class Context:
         Constrained decoding (at most one): `schema` (a JSON Schema as a dict or text; True for
         any JSON), `regex` (the whole output matches it), or `grammar` (Lark text, a `Grammar`,
         or a `Matcher` to continue). The generation ends (`grammar`) once the grammar is
-        complete; read it with `collect_json()` for JSON."""
+        complete; read it with `collect_json()` for JSON. `logit_bias` adds each `value` to the
+        logits of the tokens its `mask` (run lengths) selects, at every step; `step_bias(last)`
+        gives more biases for each step from the token fed last (a watermark's green list),
+        which makes the generation step in the program."""
         matcher, owned = _matcher_for(self.model, schema, regex, grammar)
         return Generation(
             self,
@@ -146,6 +151,8 @@ class Context:
             deliver_every=deliver_every,
             matcher=matcher,
             owns_matcher=owned,
+            logit_bias=logit_bias,
+            step_bias=step_bias,
         )
 
     async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
@@ -295,4 +302,5 @@ def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPas
         attention_masks=None,
         logit_mask=None,
         slots=slots,
+        logit_bias=[],
     )

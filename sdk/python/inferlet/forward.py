@@ -52,6 +52,7 @@ class Forward:
         self._positions: list[int] | None = None
         self._attention: list[list[int]] | None = None
         self._logit_mask: list[int] | None = None
+        self._logit_bias: list[fw.LogitBias] = []
         self._slots: list[fw.Slot] = []
         self._done = False
 
@@ -78,6 +79,12 @@ class Forward:
         self._logit_mask = list(mask)
         return self
 
+    def logit_bias(self, mask: Sequence[int], value: float) -> Forward:
+        """Adds `value` (-100..100) to the logits of the tokens `mask` (run lengths over the
+        vocabulary) selects, at every slot; several biases add up."""
+        self._logit_bias.append(fw.LogitBias(list(mask), value))
+        return self
+
     def sample(self, indices: Iterable[int], sampler: Sampler) -> Forward:
         """A sampling slot at each of `indices` (positions within this pass's input)."""
         op = sampler.slot_op()
@@ -102,6 +109,7 @@ class Forward:
             attention_masks=self._attention,
             logit_mask=self._logit_mask,
             slots=self._slots,
+            logit_bias=self._logit_bias,
         )
         outputs = await self._context._run_own(pass_)
         return [slot_result(out) for out in outputs]

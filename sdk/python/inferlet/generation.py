@@ -11,7 +11,7 @@ step is masked by it and the generation ends once the grammar is complete.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from wit_world.imports import forward as fw
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from inferlet.context import Context
 
 _NO_PAGES = ("out-of-pages", "out_of_pages")
+
+StepBias = Callable[[int], Sequence[tuple[Sequence[int], float]]]
+"""Given the token fed last, the (run-length mask, value) biases of the next step."""
 _REASONS = {"stop-token": "stop_token", "stop-string": "stop_string"}
 
 
@@ -46,6 +49,8 @@ class Generation:
         deliver_every: int | None = None,
         matcher: Matcher | None = None,
         owns_matcher: bool = False,
+        logit_bias: Iterable[tuple[Sequence[int], float]] = (),
+        step_bias: StepBias | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -69,6 +74,8 @@ class Generation:
         self.matcher = matcher
         """The grammar matcher constraining every step; it stands after the last token."""
         self._owns_matcher = owns_matcher
+        self._logit_bias = [fw.LogitBias(list(mask), value) for mask, value in logit_bias]
+        self._step_bias = step_bias
         self._stream = TextStream(ctx.model, self._stops) if self._stops else None
         self._feed: list[int] | None = None
         self._run: int | None = None
@@ -82,7 +89,8 @@ class Generation:
         return self.stop_reason is not None
 
     async def collect_tokens(self) -> list[int]:
-        if self._feed is None and not self.done:
+        # A bias that changes per step needs the program between tokens: it is stepped.
+        if self._feed is None and not self.done and self._step_bias is None:
             await self._run_to(None)
         while not self.done:
             await self._step()
@@ -120,6 +128,8 @@ class Generation:
     def __aiter__(self) -> Generation:
         if self._feed is not None or self._run is not None:
             raise RuntimeError("stream a generation from its start (iterate before awaiting)")
+        if self._step_bias is not None:
+            raise RuntimeError("a generation with a step bias is stepped, not streamed")
         self._streaming = True
         return self
 
@@ -173,6 +183,7 @@ class Generation:
             deliver_every=deliver_every,
             text=text,
             matcher=None if self.matcher is None else self.matcher.handle,
+            logit_bias=self._logit_bias,
         )
         try:
             self._run = call(gen.start, params)
@@ -228,7 +239,12 @@ class Generation:
             mask = self._logit_mask
             if matcher is not None:
                 mask = intersect(mask, matcher.mask())
-            pass_ = fw.ForwardPass(ctx.handle, feed, None, None, mask, [fw.Slot(len(feed) - 1, op)])
+            bias = self._logit_bias
+            if self._step_bias is not None:
+                bias = bias + [fw.LogitBias(list(m), v) for m, v in self._step_bias(feed[-1])]
+            pass_ = fw.ForwardPass(
+                ctx.handle, feed, None, None, mask, [fw.Slot(len(feed) - 1, op)], bias
+            )
             token = (await run_pass(pass_))[0].value
             assert isinstance(token, int)
             if matcher is not None and matcher.consume([token]) != 1:

@@ -30,7 +30,7 @@ async def token_logprobs(prefix: Context, tokens: list[int]) -> list[float]:
             fw.Slot(start + i, Probe.logprobs([token]).slot_op()) for i, token in enumerate(tokens)
         ]
         outputs = await run_pass(
-            fw.ForwardPass(probe.handle, feed + tokens[:-1], None, None, None, slots)
+            fw.ForwardPass(probe.handle, feed + tokens[:-1], None, None, None, slots, [])
         )
     finally:
         probe.destroy()
@@ -171,7 +171,9 @@ async def _step(
 async def _distribution(beam: Beam, probe: fw.SlotOp) -> Distribution:
     assert beam.ctx is not None
     slot = fw.Slot(len(beam.feed) - 1, probe)
-    (out,) = await run_pass(fw.ForwardPass(beam.ctx.handle, beam.feed, None, None, None, [slot]))
+    (out,) = await run_pass(
+        fw.ForwardPass(beam.ctx.handle, beam.feed, None, None, None, [slot], [])
+    )
     result = slot_result(out)
     assert isinstance(result, Distribution)
     return result

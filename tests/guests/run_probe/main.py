@@ -93,6 +93,7 @@ def _params(ctx: Context, prompt: list[int], tokens: int, every: int) -> Any:
         deliver_every=every,
         text=False,
         matcher=None,
+        logit_bias=[],
     )
 
 
