@@ -14,7 +14,9 @@ from typing import Any
 import openai
 import pydantic
 import pytest
+import torch
 import trio
+from transformers import AutoModelForCausalLM
 
 from pie.actors.generate import generate, prompt_ids
 from pie.config import HttpConfig
@@ -327,3 +329,84 @@ async def test_logit_bias_is_honoured_and_a_bad_one_refused(real: Any, server_wa
             assert error.value.body["param"] == "logit_bias"
     assert tokenizer.encode(banned.choices[0].message.content)[0] != first
     assert forced.choices[0].message.content.startswith(tokenizer.decode([zebra]))
+
+
+async def test_chat_logprobs_list_each_token_with_its_likeliest_alternatives(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+        with trio.fail_after(600):
+            reply = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=model,
+                    messages=MESSAGES,
+                    max_tokens=6,
+                    temperature=0,
+                    logprobs=True,
+                    top_logprobs=3,
+                )
+            )
+            with pytest.raises(openai.BadRequestError, match="logprobs"):
+                await in_thread(
+                    lambda: client.chat.completions.create(
+                        model=model, messages=MESSAGES, logprobs=True, stream=True
+                    )
+                )
+    content = reply.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        alternatives = entry.top_logprobs
+        assert len(alternatives) == 3 and entry.logprob <= 0
+        # Greedy: the chosen token is the likeliest, with the same log-probability.
+        assert alternatives[0].token == entry.token
+        assert alternatives[0].logprob == pytest.approx(entry.logprob, abs=1e-3)
+        assert [a.logprob for a in alternatives] == sorted(
+            (a.logprob for a in alternatives), reverse=True
+        )
+
+
+async def test_legacy_completions_equal_the_engines_decode_and_score_the_prompt(
+    real: Any,
+    server_wasm: bytes,
+    default_model_dir: Path,  # noqa: F811
+) -> None:
+    _, _, tokenizer = real
+    prompt = "The capital of France is"
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+        with trio.fail_after(600):
+            whole = await in_thread(
+                lambda: client.completions.create(
+                    model=model, prompt=prompt, max_tokens=8, temperature=0
+                )
+            )
+            pieces = await in_thread(
+                lambda: list(
+                    client.completions.create(
+                        model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True
+                    )
+                )
+            )
+            echoed = await in_thread(
+                lambda: client.completions.create(
+                    model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2
+                )
+            )
+            async with engine.requester() as requester:
+                ids = tokenizer.encode(prompt)
+                reference = await generate(requester, ids, max_tokens=8, sampler=Argmax())
+    assert tokenizer.encode(whole.choices[0].text) == list(reference.tokens)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == whole.choices[0].text
+    scored = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(prompt)
+    assert scored.token_logprobs[0] is None and len(scored.tokens) == len(ids) + 1
+    # The prompt's log-probabilities match transformers' own, float32.
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = [logits[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert scored.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=2e-3)
+    assert all(len(top) == 2 for top in scored.top_logprobs[1:])

@@ -1,6 +1,7 @@
-"""An OpenAI-compatible API as an HTTP-served inferlet: `GET /models`, `POST /chat/completions`
-and `POST /responses`, whole or streamed as server-sent events. `pie serve --http PORT --openai`
-mounts it at /v1; each request runs in its own instance, batched with everything else."""
+"""An OpenAI-compatible API as an HTTP-served inferlet: `GET /models`, `POST /chat/completions`,
+`POST /completions` and `POST /responses`, whole or streamed as server-sent events.
+`pie serve --http PORT --openai` mounts it at /v1; each request runs in its own instance,
+batched with everything else."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import asyncio
 import time
 from typing import Any
 
+import completions
+import logprobs
 import responses
 from inferlet import Context, HostError, get_model, runtime, serving
 from inferlet.serving import HttpError, Request, Response
@@ -60,6 +63,10 @@ async def _route(request: Request) -> Any:
         body = _body(request)
         _check_model(body.get("model"), model.name)
         return await chat_completion(model, body)
+    if route == ("POST", "/completions"):
+        body = _body(request)
+        _check_model(body.get("model"), model.name)
+        return await completions.create(model, body)
     if route == ("POST", "/responses"):
         body = _body(request)
         _check_model(body.get("model"), model.name)
@@ -75,6 +82,8 @@ async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise HttpError(400, "stream_options: an object")
+    top = logprobs.chat_top(body)
+    params.stream_checks(body)
     prompt = prompt_tokens(model, chat_messages(body.get("messages")), "messages")
     with Context(model) as ctx:
         ctx.fill_tokens(prompt)
@@ -82,7 +91,13 @@ async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
         reply = _Reply(f"chatcmpl-{runtime.instance_id()}", model.name, len(prompt), generations)
         if not body.get("stream"):
             texts = await asyncio.gather(*(g.collect_text() for g in generations))
-            return reply.completion(texts)
+            scored = None
+            if top is not None:
+                outputs = [g.tokens for g in generations]
+                scores = await logprobs.score(model, prompt, outputs, top)
+                tail = len(prompt) - 1
+                scored = [logprobs.chat_content(model, s[tail:]) for s in scores]
+            return reply.completion(texts, scored)
         await reply.stream(bool(options.get("include_usage")))
         return None
 
@@ -97,12 +112,12 @@ class _Reply:
         self.generations = generations
         self.created = int(time.time())
 
-    def completion(self, texts: list[str]) -> dict[str, Any]:
+    def completion(self, texts: list[str], scored: list[Any] | None = None) -> dict[str, Any]:
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": None if scored is None else scored[i],
                 "finish_reason": _finish_reason(generation),
             }
             for i, (text, generation) in enumerate(zip(texts, self.generations, strict=True))

@@ -20,7 +20,7 @@ MAX_CHOICES = 16
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
-    "logit_bias",
+    "logit_bias", "logprobs", "top_logprobs",
 }  # fmt: skip
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
@@ -29,13 +29,13 @@ RESPONSES_FIELDS = {
 DEFAULTS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False),
     "metadata": ({},),
     "store": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
 }
 """Fields not supported yet, accepted only with the value that asks for the default behaviour."""
 
@@ -73,13 +73,18 @@ class Params:
 
     @classmethod
     def of(
-        cls, body: dict[str, Any], *, length_keys: tuple[str, ...], vocab_size: int = 0
+        cls,
+        body: dict[str, Any],
+        *,
+        length_keys: tuple[str, ...],
+        vocab_size: int = 0,
+        default: int = DEFAULT_MAX_TOKENS,
     ) -> Params:
         n = _int("n", body.get("n", 1))
         if not 1 <= n <= MAX_CHOICES:
             raise HttpError(400, f"n: 1 to {MAX_CHOICES} choices")
         length = next((body[k] for k in length_keys if body.get(k) is not None), None)
-        max_tokens = DEFAULT_MAX_TOKENS if length is None else _int(length_keys[0], length)
+        max_tokens = default if length is None else _int(length_keys[0], length)
         if not 1 <= max_tokens <= MAX_TOKENS:
             raise HttpError(400, f"{length_keys[0]}: must be 1 to {MAX_TOKENS}")
         ignore_eos = body.get("ignore_eos", False)
@@ -90,6 +95,10 @@ class Params:
         params.logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
         params.format_field = "text.format" if "text" in body else "response_format"
         return params
+
+    def stream_checks(self, body: dict[str, Any]) -> None:
+        if body.get("stream") and body.get("logprobs"):
+            raise HttpError(400, "logprobs: returned whole, not with stream")
 
     async def choices(self, ctx: Context, body: dict[str, Any]) -> list[Any]:
         """One generation per choice. With n > 1 the prompt is prefilled once and each choice

@@ -11,7 +11,15 @@ from inferlet.generation import Generation
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model, get_model, models
 from inferlet.sampling import Distribution, Probe, Sampler
-from inferlet.search import Beam, Candidate, beam_search, best_of_n, token_logprobs
+from inferlet.search import (
+    Beam,
+    Candidate,
+    TokenScore,
+    beam_search,
+    best_of_n,
+    score_tokens,
+    token_logprobs,
+)
 from inferlet.speculative import Jacobi, PromptLookup, Speculation, speculate
 from inferlet.watermark import Watermark
 
@@ -31,6 +39,7 @@ __all__ = [
     "PromptLookup",
     "Sampler",
     "Speculation",
+    "TokenScore",
     "Watermark",
     "beam_search",
     "best_of_n",
@@ -41,6 +50,7 @@ __all__ = [
     "models",
     "runs",
     "runtime",
+    "score_tokens",
     "session",
     "speculate",
     "token_logprobs",

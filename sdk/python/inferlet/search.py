@@ -20,21 +20,50 @@ from inferlet.sampling import Distribution, Probe, Sampler, slot_result
 async def token_logprobs(prefix: Context, tokens: list[int]) -> list[float]:
     """The log-probability of each of `tokens` following what `prefix` holds, from one pass on
     a fork of it (the fork shares its pages and is destroyed afterwards)."""
+    return [score.logprob for score in await score_tokens(prefix, tokens)]
+
+
+@dataclass
+class TokenScore:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """The likeliest tokens at this position and their log-probabilities, likeliest first."""
+
+
+async def score_tokens(prefix: Context, tokens: list[int], top: int = 0) -> list[TokenScore]:
+    """Like `token_logprobs`, with the `top` likeliest alternatives at every position (a
+    distribution probe beside each logprob probe, in the same pass)."""
     if not tokens:
         return []
     probe = prefix.fork()
     try:
         feed = probe.feed_for_generation()
         start = len(feed) - 1
-        slots = [
-            fw.Slot(start + i, Probe.logprobs([token]).slot_op()) for i, token in enumerate(tokens)
-        ]
-        outputs = await run_pass(
-            fw.ForwardPass(probe.handle, feed + tokens[:-1], None, None, None, slots, [])
-        )
+        slots = []
+        for i, token in enumerate(tokens):
+            slots.append(fw.Slot(start + i, Probe.logprobs([token]).slot_op()))
+            if top:
+                slots.append(fw.Slot(start + i, Probe.distribution(top).slot_op()))
+        pass_ = fw.ForwardPass(probe.handle, feed + tokens[:-1], None, None, None, slots, [])
+        outputs = [slot_result(out) for out in await run_pass(pass_)]
     finally:
         probe.destroy()
-    return [float(slot_result(out)[0]) for out in outputs]  # type: ignore[index]
+    step = 2 if top else 1
+    scores = []
+    for i, token in enumerate(tokens):
+        logprob = outputs[i * step]
+        assert isinstance(logprob, list)
+        alternatives: list[tuple[int, float]] = []
+        if top:
+            dist = outputs[i * step + 1]
+            assert isinstance(dist, Distribution)
+            alternatives = [
+                (t, math.log(p) if p > 0 else -math.inf)
+                for t, p in zip(dist.tokens, dist.probs, strict=True)
+            ]
+        scores.append(TokenScore(token, float(logprob[0]), alternatives))
+    return scores
 
 
 @dataclass
