@@ -3,10 +3,13 @@ the hash of everything that goes into it, so reruns skip the 7-second componenti
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 from attrs import frozen
 
 from pie.build import cached_build
@@ -51,3 +54,12 @@ def compile_guest(
     components = tmp_path_factory.mktemp("components")
     WasmRuntime(components).cache.load(wasm)
     return CompiledGuest(wasm, components)
+
+
+async def run_json(engine: Any, program: str, request: dict[str, Any], seconds: float = 600) -> Any:
+    """Runs an installed program (by hash) with `request` as its JSON input; its JSON result.
+    A program that does not return fails the test with its error."""
+    with trio.fail_after(seconds):
+        outcome = await engine.run_inferlet(program, json.dumps(request))
+    assert outcome.ok, outcome.error
+    return json.loads(outcome.result)

@@ -25,7 +25,8 @@ ALLOWED = {
     "pie.config": {"pie.net"},
     "pie.eventlog": {"pie.events"},
     "pie.wire": {"pie.events"},
-    "pie.sandbox": {"pie.events"},
+    "pie.grammar": {"pie.events"},
+    "pie.sandbox": {"pie.events", "pie.grammar"},
     "pie.drivers": {"pie.config", "pie.events"},
     "pie.dataplane": {"pie.drivers", "pie.events"},
     "pie.actors": {
@@ -47,6 +48,7 @@ ALLOWED = {
         "pie.drivers",
         "pie.eventlog",
         "pie.events",
+        "pie.grammar",
         "pie.net",
         "pie.sandbox",
     },
@@ -73,6 +75,7 @@ THIRD_PARTY_BANNED = {
     "pie.drivers": {"trio", "wasmtime"},
     "pie.dataplane": {"trio", "wasmtime"},
     "pie.sandbox": {"torch", "trio"},
+    "pie.grammar": {"torch", "trio", "wasmtime"},
     "pie.build": {"torch", "trio", "wasmtime"},
 }
 

@@ -15,10 +15,11 @@ import pytest
 import trio
 
 from pie.actors.generate import generate, prompt_ids
+from pie.cli.bench.decoding import run_watching_pages
 from pie.config import with_overrides
 from pie.engine import Engine, open_engine
 from pie.events.sampling import Argmax
-from tests.inferlet_fixtures import EXAMPLES
+from tests.inferlet_fixtures import EXAMPLES, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir, real  # noqa: F401  (fixtures)
 
@@ -33,11 +34,7 @@ def example(built: Callable[[Path], Path]) -> Callable[[str], bytes]:  # noqa: F
 
 
 async def run(engine: Engine, wasm: bytes, request: dict[str, Any]) -> Any:
-    program = engine.programs.add(wasm).hash
-    with trio.fail_after(600):
-        outcome = await engine.run_inferlet(program, json.dumps(request))
-    assert outcome.ok, outcome.error
-    return json.loads(outcome.result)
+    return await run_json(engine, engine.programs.add(wasm).hash, request)
 
 
 async def test_beam_search_of_width_one_is_greedy_and_wider_beams_rank_by_score(
@@ -69,21 +66,11 @@ async def test_beam_search_of_width_one_is_greedy_and_wider_beams_rank_by_score(
 
 async def peak_pages(engine: Engine, wasm: bytes, request: dict[str, Any]) -> tuple[Any, int]:
     """The inferlet's result and the most KV pages in use while it ran."""
-    kv = engine.statistics().kv
-    lowest = kv.pages_free
-    result: list[Any] = []
-
-    async def watch() -> None:
-        nonlocal lowest
-        while True:
-            lowest = min(lowest, engine.statistics().kv.pages_free)
-            await trio.sleep(0.005)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch)
-        result.append(await run(engine, wasm, request))
-        nursery.cancel_scope.cancel()
-    return result[0], kv.pages_total - lowest
+    program = engine.programs.add(wasm).hash
+    with trio.fail_after(600):
+        outcome, _, pages = await run_watching_pages(engine, program, request)
+    assert outcome.ok, outcome.error
+    return json.loads(outcome.result), pages
 
 
 async def test_best_of_n_repeats_with_a_seed_and_forks_share_the_prompts_pages(

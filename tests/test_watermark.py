@@ -4,29 +4,20 @@ detector, the same prompt generated without it does not, and another key sees no
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
-from pie.engine import Engine, open_engine
-from tests.inferlet_fixtures import EXAMPLES
+from pie.engine import open_engine
+from tests.inferlet_fixtures import EXAMPLES, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir, real  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.model
 
 PROMPTS = ["Tell me a short story about a lighthouse.", "Describe your favourite season."]
-
-
-async def run(engine: Engine, program: str, request: dict[str, Any]) -> Any:
-    with trio.fail_after(600):
-        outcome = await engine.run_inferlet(program, json.dumps(request))
-    assert outcome.ok, outcome.error
-    return json.loads(outcome.result)
 
 
 async def test_the_detector_tells_watermarked_text_from_plain_text(
@@ -40,14 +31,16 @@ async def test_the_detector_tells_watermarked_text_from_plain_text(
         program = engine.programs.add(wasm).hash
         for i, prompt in enumerate(PROMPTS):
             base = {"prompt": prompt, "max_tokens": 64, "seed": i, "key": 7}
-            marked = await run(engine, program, base)
-            plain = await run(engine, program, {**base, "watermark": False})
+            marked = await run_json(engine, program, base)
+            plain = await run_json(engine, program, {**base, "watermark": False})
             for name, text, key in (
                 ("marked", marked["text"], 7),
                 ("plain", plain["text"], 7),
                 ("other key", marked["text"], 8),
             ):
-                detected = await run(engine, program, {"mode": "detect", "text": text, "key": key})
+                detected = await run_json(
+                    engine, program, {"mode": "detect", "text": text, "key": key}
+                )
                 scores[name].append(detected["z"])
     print(scores)
     assert all(z > 4.0 for z in scores["marked"])

@@ -126,8 +126,11 @@ async def _lookup(engine: Engine, program: str, args: argparse.Namespace) -> dic
     return row
 
 
-async def _peak_pages(engine: Engine, program: str, request: dict[str, Any]) -> tuple[float, int]:
-    """Wall time of one run and the most KV pages in use while it ran."""
+async def run_watching_pages(
+    engine: Engine, program: str, request: dict[str, Any]
+) -> tuple[Any, float, int]:
+    """A run's outcome, its wall time, and the most KV pages in use while it ran (polled from
+    the kv actor's statistics)."""
     stats = engine.statistics().kv
     lowest = stats.pages_free
 
@@ -143,9 +146,14 @@ async def _peak_pages(engine: Engine, program: str, request: dict[str, Any]) -> 
         outcome = await engine.run_inferlet(program, json.dumps(request))
         wall = time.perf_counter() - started
         nursery.cancel_scope.cancel()
+    return outcome, wall, stats.pages_total - lowest
+
+
+async def _peak_pages(engine: Engine, program: str, request: dict[str, Any]) -> tuple[float, int]:
+    outcome, wall, pages = await run_watching_pages(engine, program, request)
     if not outcome.ok:
         raise RuntimeError(f"the benchmark inferlet failed: {outcome.error}")
-    return wall, stats.pages_total - lowest
+    return wall, pages
 
 
 async def _best_of_n(engine: Engine, program: str, args: argparse.Namespace) -> dict[str, Any]:
