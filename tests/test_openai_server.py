@@ -284,7 +284,7 @@ async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
             return client.chat.completions.create(**{**request, **overrides})
 
         refused = {
-            "logprobs": {"logprobs": True},
+            "prediction": {"prediction": {"type": "content", "content": "Red"}},
             "presence_penalty": {"presence_penalty": 0.5},
             "frequency_penalty": {"frequency_penalty": 0.3},
             "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from wasmtime.component import Record, Variant
 
-from pie.events.sampling import Argmax
+from pie.events.sampling import Argmax, LogitBias
 from pie.sandbox.host.generate import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, run_spec
 from pie.sandbox.host.state import HostFailure
 
@@ -25,6 +25,8 @@ def params(**changes: Any) -> Record:
         "stop-tokens": [2],
         "stop-strings": ["\n\n"],
         "logit-mask": None,
+        "logit-bias": [],
+        "matcher": None,
         "deliver-every": 0,
         "text": False,
     }
@@ -46,6 +48,14 @@ def test_a_well_formed_request_becomes_a_run_spec() -> None:
     spec = run_spec(params())
     assert (spec.context, spec.feed, spec.op, spec.max_tokens) == (1, (5, 6), Argmax(), 8)
     assert spec.stop_tokens == frozenset({2}) and spec.stop_strings == ("\n\n",)
+    assert spec.logit_bias == ()
+
+
+def test_a_runs_logit_bias_reaches_its_spec() -> None:
+    bias = Record()
+    bias.mask, bias.value = [3, 5, 92], -2.0
+    spec = run_spec(params(**{"logit-bias": [bias]}))
+    assert spec.logit_bias == (LogitBias(mask=(3, 5, 92), value=-2.0),)
 
 
 def test_a_probe_is_refused_as_the_sampler() -> None:
