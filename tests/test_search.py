@@ -80,7 +80,7 @@ async def test_best_of_n_repeats_with_a_seed_and_forks_share_the_prompts_pages(
     config, driver, tokenizer = real
     config = with_overrides(config, kv={"prefix_cache": "off"})
     wasm = example("best-of-n")
-    long_prompt = "Summarise this: " + " ".join(["the tide comes in and goes out"] * 40)
+    long_prompt = "Summarise this: " + " ".join(["the tide comes in and goes out"] * 24)
     request = {"prompt": long_prompt, "n": 6, "max_tokens": 8, "seed": 9}
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         first, forked_pages = await peak_pages(engine, wasm, request)
