@@ -31,6 +31,7 @@ from pie.events.sampling import (
     LogProbsOutput,
     MinP,
     Multinomial,
+    Penalty,
     RawLogits,
     SamplingSlot,
     SlotOp,
@@ -106,6 +107,7 @@ APPLIED = spec_ev.LanePassApplied(
 SAMPLES = (
     LEASE,
     LogitBias(mask=(3, 997), value=7.5),
+    Penalty(presence=0.5, frequency=-1.25, tokens=(4, 4, 9)),
     http_ev.HttpFetch(
         corr=4,
         requester="inferlet:1",

@@ -15,7 +15,15 @@ from pie.actors.kv.core import KvStatistics
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
-from pie.events.sampling import Argmax, Entropy, LogitBias, LogProbs, SamplingSlot, TopP
+from pie.events.sampling import (
+    Argmax,
+    Entropy,
+    LogitBias,
+    LogProbs,
+    Penalty,
+    SamplingSlot,
+    TopP,
+)
 from pie.events.speculation import LanePassApplied, Lease, LeaseReleased
 
 pytestmark = pytest.mark.unit
@@ -623,6 +631,14 @@ def test_a_reservation_refused_for_lack_of_pages_changes_nothing() -> None:
             "logit bias 0",
         ),
         ({"tokens": (1,), "logit_bias": (LogitBias(mask=(100,), value=1.0),) * 65}, "at most 64"),
+        (
+            {"tokens": (1,), "penalty": Penalty(presence=3.0, frequency=0.0, tokens=())},
+            "presence penalty",
+        ),
+        (
+            {"tokens": (1,), "penalty": Penalty(presence=0.0, frequency=1.0, tokens=(100,))},
+            "[100]",
+        ),
         ({"tokens": (1, 2), "attention_masks": ((4,),)}, "1 attention masks for 2 tokens"),
         ({"tokens": (1, 2), "attention_masks": ((3,), (2, 3))}, "mask of token 1 covers 5"),
     ],
@@ -863,6 +879,7 @@ def test_a_plain_decode_asking_for_the_fast_path_is_granted_a_lease() -> None:
         ((6,), {"attention_masks": ((6,),)}),
         ((6,), {"logit_mask": (100,)}),
         ((6,), {"logit_bias": (LogitBias(mask=(100,), value=1.0),)}),
+        ((6,), {"penalty": Penalty(presence=0.1, frequency=0.1, tokens=(3,))}),
         ((6, 7, 8), {}),
     ],
     ids=[
@@ -874,6 +891,7 @@ def test_a_plain_decode_asking_for_the_fast_path_is_granted_a_lease() -> None:
         "attention masks",
         "a logit mask",
         "a logit bias",
+        "a penalty",
         "no room left",
     ],
 )

@@ -285,8 +285,8 @@ async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
 
         refused = {
             "prediction": {"prediction": {"type": "content", "content": "Red"}},
-            "presence_penalty": {"presence_penalty": 0.5},
-            "frequency_penalty": {"frequency_penalty": 0.3},
+            "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+            "frequency_penalty": {"frequency_penalty": 3.0},
             "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "frobnicate": {"extra_body": {"frobnicate": 1}},
         }
@@ -410,3 +410,36 @@ async def test_legacy_completions_equal_the_engines_decode_and_score_the_prompt(
     expected = [logits[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
     assert scored.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=2e-3)
     assert all(len(top) == 2 for top in scored.top_logprobs[1:])
+
+
+async def test_frequency_and_presence_penalties_cut_repetition(
+    real: Any, server_wasm: bytes
+) -> None:
+    _, _, tokenizer = real
+    prompt = [
+        {"role": "user", "content": "Write the word apple twenty times, separated by commas."}
+    ]
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+
+        def complete(**extra: Any) -> Any:
+            return client.chat.completions.create(
+                model=model, messages=prompt, max_tokens=40, temperature=0, **extra
+            )
+
+        with trio.fail_after(600):
+            plain = await in_thread(complete)
+            penalised = await in_thread(
+                lambda: complete(frequency_penalty=1.5, presence_penalty=0.5)
+            )
+
+    def repeats(text: str) -> int:
+        tokens = tokenizer.encode(text)
+        return len(tokens) - len(set(tokens))
+
+    assert repeats(plain.choices[0].message.content) > 10
+    assert (
+        repeats(penalised.choices[0].message.content)
+        < repeats(plain.choices[0].message.content) / 2
+    )

@@ -26,6 +26,8 @@ def params(**changes: Any) -> Record:
         "stop-strings": ["\n\n"],
         "logit-mask": None,
         "logit-bias": [],
+        "presence-penalty": 0.0,
+        "frequency-penalty": 0.0,
         "matcher": None,
         "deliver-every": 0,
         "text": False,

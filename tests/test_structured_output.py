@@ -192,6 +192,28 @@ async def test_the_engines_run_equals_the_programs_own_steps(
     assert by_run == by_steps
 
 
+async def test_penalties_are_the_same_in_the_engines_run_and_the_programs_steps(
+    real: Any,  # noqa: F811
+    wasm: bytes,
+) -> None:
+    config, driver, tokenizer = real
+    request = {
+        "prompt": "Write the word apple ten times.",
+        "n": 2,
+        "temperature": 0.7,
+        "seed": 3,
+        "max_tokens": 24,
+        "presence_penalty": 0.4,
+        "frequency_penalty": 1.2,
+    }
+    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+        by_run = await outputs(engine, wasm, request)
+        by_steps = await outputs(engine, wasm, {**request, "stepwise": True})
+        plain = await outputs(engine, wasm, {**request, "frequency_penalty": 0.0})
+    assert by_run == by_steps
+    assert by_run != plain
+
+
 async def test_a_bad_grammar_is_refused_with_the_compilers_message(
     real: Any,  # noqa: F811
     wasm: bytes,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from attrs import define, field
 
 from pie.events.forward import ForwardRequest
-from pie.events.sampling import LogitBias, Rle, SlotOp
+from pie.events.sampling import LogitBias, Penalty, Rle, SlotOp
 
 
 @define(kw_only=True)
@@ -29,6 +29,7 @@ class ForwardBatch:
     attention_masks: list[tuple[Rle, ...] | None] = field(factory=list)
     logit_masks: list[Rle | None] = field(factory=list)
     logit_biases: list[tuple[LogitBias, ...]] = field(factory=list)
+    penalties: list[Penalty | None] = field(factory=list)
     slot_requests: list[int] = field(factory=list)
     """For each sampling slot, the request it belongs to."""
     slot_tokens: list[int] = field(factory=list)
@@ -64,6 +65,7 @@ class ForwardBatch:
         self.attention_masks.append(req.attention_masks)
         self.logit_masks.append(req.logit_mask)
         self.logit_biases.append(req.logit_bias)
+        self.penalties.append(req.penalty)
         for slot in req.slots:
             self.slot_requests.append(r)
             self.slot_tokens.append(base + slot.index)
@@ -93,3 +95,4 @@ class ForwardBatch:
         self.attention_masks.append(None)
         self.logit_masks.append(None)
         self.logit_biases.append(())
+        self.penalties.append(None)

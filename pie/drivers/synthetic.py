@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 from pie.drivers.base import DriverError, DriverInfo
 from pie.drivers.batch import ForwardBatch
@@ -21,6 +22,7 @@ from pie.events.sampling import (
     LogitsOutput,
     LogProbs,
     LogProbsOutput,
+    Penalty,
     RawLogits,
     Rle,
     SlotOp,
@@ -60,7 +62,10 @@ class SyntheticDriver:
         self._check(batch)
         vocab = self.info.vocab_size
         allowed = [None if m is None else _allowed(m, vocab) for m in batch.logit_masks]
-        biases = [_biases(b, vocab) if b else None for b in batch.logit_biases]
+        biases = [
+            _biases(b, p, vocab) if b or p is not None else None
+            for b, p in zip(batch.logit_biases, batch.penalties, strict=True)
+        ]
         self.batches.append(batch)
         outputs = [
             self._read(batch.token_ids[t], op, allowed[r], biases[r])
@@ -116,8 +121,11 @@ class SyntheticDriver:
         raise DriverError(f"unknown slot op {op!r}")
 
 
-def _biases(biases: tuple[LogitBias, ...], vocab_size: int) -> list[float]:
+def _biases(biases: tuple[LogitBias, ...], penalty: Penalty | None, vocab_size: int) -> list[float]:
     total = [0.0] * vocab_size
+    if penalty is not None:
+        for token, count in Counter(penalty.tokens).items():
+            total[token] -= penalty.frequency * count + penalty.presence
     for bias in biases:
         try:
             selected = rle_to_bools(bias.mask, vocab_size)

@@ -17,7 +17,7 @@ from pie.drivers.batch import ForwardBatch
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
 from pie.drivers.models.base import CausalLM, ModelConfig
 from pie.drivers.sampling import read_slots
-from pie.events.sampling import PROBES, SAMPLERS, LogProbs, Rle, SlotOutput
+from pie.events.sampling import PROBES, SAMPLERS, LogitBias, LogProbs, Penalty, Rle, SlotOutput
 
 
 @frozen(kw_only=True)
@@ -52,6 +52,7 @@ def _check_shape(batch: ForwardBatch, info: DriverInfo) -> None:
         "attention_masks": len(batch.attention_masks),
         "logit_masks": len(batch.logit_masks),
         "logit_biases": len(batch.logit_biases),
+        "penalties": len(batch.penalties),
     }
     for name, count in per_request.items():
         if count != r:
@@ -101,6 +102,12 @@ def _check_request(batch: ForwardBatch, r: int, info: DriverInfo) -> None:
         _check_rle(bias.mask, (info.vocab_size,), f"{what} logit bias {i}")
         if not math.isfinite(bias.value):
             raise DriverError(f"{what} logit bias {i} is not a finite number")
+    penalty = batch.penalties[r]
+    if penalty is not None:
+        if not (math.isfinite(penalty.presence) and math.isfinite(penalty.frequency)):
+            raise DriverError(f"{what} penalty is not a finite number")
+        if any(not 0 <= t < info.vocab_size for t in penalty.tokens):
+            raise DriverError(f"{what} penalty counts a token outside the vocabulary")
 
 
 def _check_slots(batch: ForwardBatch, info: DriverInfo) -> None:
@@ -253,17 +260,17 @@ class TorchDriver:
         return allowed.to(self.cache.device)
 
     def _slot_bias(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """[slots, vocab] float: the sum of each slot's request logit biases; None when no
-        request has one."""
-        if not any(batch.logit_biases):
+        """[slots, vocab] float: each slot's request logit biases minus its penalties; None
+        when no request has either."""
+        if not any(batch.logit_biases) and all(p is None for p in batch.penalties):
             return None
         vocab = self.info.vocab_size
         per_request: dict[int, torch.Tensor] = {}
-        for r, biases in enumerate(batch.logit_biases):
-            if biases:
-                rows = rle_rows([b.mask for b in biases], vocab).float()
-                values = torch.tensor([b.value for b in biases], dtype=torch.float32)
-                per_request[r] = values @ rows
+        for r, (biases, penalty) in enumerate(
+            zip(batch.logit_biases, batch.penalties, strict=True)
+        ):
+            if biases or penalty is not None:
+                per_request[r] = request_bias(biases, penalty, vocab)
         bias = torch.zeros((len(batch.slot_ops), vocab), dtype=torch.float32)
         for i, r in enumerate(batch.slot_requests):
             if r in per_request:
@@ -277,6 +284,21 @@ class TorchDriver:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
         self.cache.copy_pages(src, dst)
+
+
+def request_bias(
+    biases: Sequence[LogitBias], penalty: Penalty | None, vocab_size: int
+) -> torch.Tensor:
+    """[vocab] float: the logit biases added up, minus the presence and frequency penalties
+    of the tokens the penalty counts."""
+    total = torch.zeros(vocab_size, dtype=torch.float32)
+    if biases:
+        rows = rle_rows([b.mask for b in biases], vocab_size).float()
+        total += torch.tensor([b.value for b in biases], dtype=torch.float32) @ rows
+    if penalty is not None and penalty.tokens:
+        counts = torch.bincount(torch.tensor(penalty.tokens), minlength=vocab_size).float()
+        total -= penalty.frequency * counts + penalty.presence * (counts > 0).float()
+    return total
 
 
 def _cache_shape(config: ModelConfig, page_size: int, dtype: torch.dtype) -> KvCacheShape:

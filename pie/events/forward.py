@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from attrs import frozen
 
-from pie.events.sampling import LogitBias, Rle, SamplingSlot
+from pie.events.sampling import LogitBias, Penalty, Rle, SamplingSlot
 from pie.events.speculation import Lease
 
 
@@ -40,6 +40,8 @@ class ForwardRequest:
     """A mask over the vocabulary applied before every slot's sampler or probe."""
     logit_bias: tuple[LogitBias, ...] = ()
     """Added to every slot's logits before the mask."""
+    penalty: Penalty | None = None
+    """Presence and frequency penalties for every slot, applied after the biases."""
     slots: tuple[SamplingSlot, ...] = ()
     copies: tuple[PageCopy, ...] = ()
     final: bool = True

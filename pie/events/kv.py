@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attrs import field, frozen
 
-from pie.events.sampling import LogitBias, Rle, SamplingSlot
+from pie.events.sampling import LogitBias, Penalty, Rle, SamplingSlot
 
 
 @frozen(kw_only=True)
@@ -121,6 +121,7 @@ class SubmitForward:
     attention_masks: tuple[Rle, ...] | None = None
     logit_mask: Rle | None = None
     logit_bias: tuple[LogitBias, ...] = ()
+    penalty: Penalty | None = None
     slots: tuple[SamplingSlot, ...] = ()
     fast: bool = False
     """The requester can take the context's next plain decodes on the fast path (a lease)."""

@@ -42,6 +42,17 @@ class LogitBias:
 
 
 @frozen(kw_only=True)
+class Penalty:
+    """Presence and frequency penalties over `tokens` (a generation's output so far): a token
+    that occurs c times there has `frequency * c + presence * (c > 0)` taken off its logit,
+    after the logit biases and before the mask, samplers and probes (the OpenAI API's rule)."""
+
+    presence: float
+    frequency: float
+    tokens: tuple[int, ...]
+
+
+@frozen(kw_only=True)
 class Argmax:
     """The most likely token (greedy)."""
 

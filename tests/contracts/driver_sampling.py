@@ -17,6 +17,7 @@ from pie.events.sampling import (
     LogProbs,
     MinP,
     Multinomial,
+    Penalty,
     RawLogits,
     SlotOp,
     TopK,
@@ -240,6 +241,33 @@ class SamplingContract(DriverRunner):
         assert_close(logits_of(raw_out), expected, self.logit_tolerance)
         chosen = token_of(argmax_out)
         assert boosted[chosen] and allowed[chosen]
+
+    def test_penalties_take_counted_tokens_down_after_the_biases(
+        self, new_driver: NewDriver
+    ) -> None:
+        driver = new_driver()
+        start, pages, last = self._sampling_context(driver)
+        [unpenalised] = run(driver, request(start, last, pages))
+        plain = logits_of(unpenalised)
+        vocab = driver.info.vocab_size
+        favourite, second = plain.argsort(descending=True)[:2].tolist()
+        counted = (favourite, favourite, favourite, second)
+        raw_out, argmax_out = run(
+            driver,
+            request(
+                start,
+                last,
+                pages,
+                (RawLogits(), Argmax()),
+                logit_bias=(LogitBias(mask=bools_to_rle([True] * vocab), value=1.0),),
+                penalty=Penalty(presence=0.5, frequency=40.0, tokens=counted),
+            ),
+        )
+        expected = plain + 1.0
+        expected[favourite] -= 3 * 40.0 + 0.5
+        expected[second] -= 40.0 + 0.5
+        assert_close(logits_of(raw_out), expected, self.logit_tolerance)
+        assert token_of(argmax_out) not in (favourite, second)
 
     # -- probes ------------------------------------------------------------------------------
 

@@ -202,6 +202,7 @@ class KvCore:
             attention_masks=event.attention_masks,
             logit_mask=event.logit_mask,
             logit_bias=event.logit_bias,
+            penalty=event.penalty,
             slots=event.slots,
             copies=copies,
             lease=lease,

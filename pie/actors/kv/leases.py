@@ -20,6 +20,7 @@ def lease_for(event: ev.SubmitForward, chain: Chain, number: int, page_size: int
         or event.attention_masks is not None
         or event.logit_mask is not None
         or event.logit_bias
+        or event.penalty is not None
         or len(chain.tokens) >= (len(chain.pages) + len(chain.reserved)) * page_size
     ):
         return None

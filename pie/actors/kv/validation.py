@@ -6,7 +6,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from pie.events.kv import SubmitForward
-from pie.events.sampling import Distribution, LogitBias, LogProbs, RawLogits, SlotOp
+from pie.events.sampling import Distribution, LogitBias, LogProbs, Penalty, RawLogits, SlotOp
 
 MAX_POSITION = 2**31
 """Attention kernels (flashinfer) take positions as int32; the page hash packs them as int64."""
@@ -51,6 +51,8 @@ def validate_forward(
     if event.logit_mask is not None:
         _check_runs("logit mask", event.logit_mask, (vocab_size,))
     _check_biases(event.logit_bias, vocab_size)
+    if event.penalty is not None:
+        _check_penalty(event.penalty, vocab_size)
     if event.attention_masks is not None:
         if len(event.attention_masks) != count:
             raise RequestError(
@@ -112,6 +114,23 @@ def _check_biases(biases: tuple[LogitBias, ...], vocab_size: int) -> None:
             raise RequestError(
                 "invalid", f"logit bias {i}: a value from -{MAX_BIAS:g} to {MAX_BIAS:g}"
             )
+
+
+MAX_PENALTY = 2.0
+MAX_PENALTY_TOKENS = 1 << 16
+
+
+def _check_penalty(penalty: Penalty, vocab_size: int) -> None:
+    for name, value in (("presence", penalty.presence), ("frequency", penalty.frequency)):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise RequestError(
+                "invalid", f"{name} penalty: a value from -{MAX_PENALTY:g} to {MAX_PENALTY:g}"
+            )
+    if len(penalty.tokens) > MAX_PENALTY_TOKENS:
+        raise RequestError("invalid", f"a penalty counts at most {MAX_PENALTY_TOKENS} tokens")
+    bad = [t for t in penalty.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("invalid", f"penalty tokens {bad[:5]} outside the vocabulary")
 
 
 def _check_runs(what: str, runs: tuple[int, ...], lengths: tuple[int, ...]) -> None:

@@ -64,6 +64,16 @@ def logit_biases(biases: list[Any]) -> tuple[s.LogitBias, ...]:
     return tuple(s.LogitBias(mask=tuple(b.mask), value=float(b.value)) for b in biases)
 
 
+def _penalty(given: Any) -> s.Penalty | None:
+    if given is None:
+        return None
+    return s.Penalty(
+        presence=float(given.presence),
+        frequency=float(given.frequency),
+        tokens=tuple(given.tokens),
+    )
+
+
 def execute(pass_: Any) -> int:
     state = current()
     state.runs.forbid(pass_.context)
@@ -71,6 +81,7 @@ def execute(pass_: Any) -> int:
     masks = _get(pass_, "attention-masks")
     logit_mask = _get(pass_, "logit-mask")
     bias = logit_biases(_get(pass_, "logit-bias"))
+    penalty = _penalty(_get(pass_, "penalty"))
     tokens = tuple(pass_.tokens)
     slots = _slots(pass_.slots)
     positions = None if positions is None else tuple(positions)
@@ -78,7 +89,7 @@ def execute(pass_: Any) -> int:
     if lanes is not None:
         context = pass_.context
         try:
-            if masks is None and logit_mask is None and not bias:
+            if masks is None and logit_mask is None and not bias and penalty is None:
                 corr = state.next_corr()
                 handle, fill = state.expect("forward")
                 if lanes.submit(context, state.address, corr, tokens, positions, slots, fill):
@@ -97,6 +108,7 @@ def execute(pass_: Any) -> int:
         attention_masks=None if masks is None else tuple(tuple(m) for m in masks),
         logit_mask=None if logit_mask is None else tuple(logit_mask),
         logit_bias=bias,
+        penalty=penalty,
         slots=slots,
         fast=lanes is not None,
     )

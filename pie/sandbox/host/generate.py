@@ -14,7 +14,7 @@ from pie.events import sampling as s
 from pie.events.speculation import LaneBusy
 from pie.grammar import GrammarError
 from pie.sandbox.host.forward import logit_biases, slot_op
-from pie.sandbox.host.runs import Run, RunFailed, RunSpec
+from pie.sandbox.host.runs import Run, RunFailed, RunSpec, StepShape
 from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
 from pie.sandbox.wasm import add_host_func, record
 
@@ -103,11 +103,23 @@ def run_spec(params: Any) -> RunSpec:
             stop_strings=stops,
             logit_mask=None if mask is None else tuple(mask),
             logit_bias=logit_biases(getattr(params, "logit-bias")),
+            presence_penalty=_penalty(params, "presence-penalty"),
+            frequency_penalty=_penalty(params, "frequency-penalty"),
             deliver_every=getattr(params, "deliver-every"),
             text=params.text,
         )
     except (TypeError, ValueError) as exc:
         raise HostFailure("invalid", str(exc)) from None
+
+
+MAX_PENALTY = 2.0
+
+
+def _penalty(params: Any, name: str) -> float:
+    value = float(getattr(params, name))
+    if not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise HostFailure("invalid", f"{name}: a value from -2 to 2")
+    return value
 
 
 def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
@@ -118,12 +130,13 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
     def step(
         tokens: tuple[int, ...],
         op: s.SlotOp,
-        mask: s.Rle | None,
+        shape: StepShape,
         deliver: Callable[[Any], None],
     ) -> None:
         slots = (s.SamplingSlot(index=len(tokens) - 1, op=op),)
         corr = state.next_corr()
-        if lanes is not None and mask is None and not spec.logit_bias:
+        plain = shape.mask is None and shape.penalty is None and not spec.logit_bias
+        if lanes is not None and plain:
             try:
                 if lanes.submit(spec.context, state.address, corr, tokens, None, slots, deliver):
                     return
@@ -137,8 +150,9 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             tokens=tokens,
             positions=None,
             attention_masks=None,
-            logit_mask=mask,
+            logit_mask=shape.mask,
             logit_bias=spec.logit_bias,
+            penalty=shape.penalty,
             slots=slots,
             fast=lanes is not None,
         )

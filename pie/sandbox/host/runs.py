@@ -21,7 +21,7 @@ from attrs import frozen
 
 from pie.events.batching import ForwardCompleted
 from pie.events.kv import RequestFailed
-from pie.events.sampling import LogitBias, Rle, SlotOp, TokenOutput
+from pie.events.sampling import LogitBias, Penalty, Rle, SlotOp, TokenOutput
 from pie.grammar import GrammarError, Matcher, intersect
 from pie.sandbox.host.textstream import Decode, TextStream
 
@@ -49,6 +49,9 @@ class RunSpec:
     stop_strings: tuple[str, ...] = ()
     logit_mask: Rle | None = None
     logit_bias: tuple[LogitBias, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """Penalties over the run's own tokens so far, at every step (see `Penalty`)."""
     deliver_every: int = 0
     """Wake the program every this many new tokens; 0: only when the run ends."""
     text: bool = False
@@ -69,9 +72,18 @@ class RunOutput:
     """Once finished: the last token the run's passes wrote into the context."""
 
 
-Step = Callable[[tuple[int, ...], SlotOp, Rle | None, Callable[[Any], None]], None]
-"""Submits one pass feeding the tokens with a sampler at the last one under a logit mask; the
-callback receives its `ForwardCompleted` or `RequestFailed`, on whatever thread delivers it."""
+@frozen(kw_only=True)
+class StepShape:
+    """What one step's pass carries besides its feed and sampler."""
+
+    mask: Rle | None = None
+    penalty: Penalty | None = None
+
+
+Step = Callable[[tuple[int, ...], SlotOp, StepShape, Callable[[Any], None]], None]
+"""Submits one pass feeding the tokens with a sampler at the last one, shaped by the step's
+mask and penalty; the callback receives its `ForwardCompleted` or `RequestFailed`, on whatever
+thread delivers it."""
 
 
 class Run:
@@ -162,12 +174,23 @@ class Run:
             self._in_flight = True
             self._fed = feed
             op = op_at_step(self.spec.op, len(self.tokens))
+            penalty = self._penalty()
         try:
             mask = self._step_mask()
         except GrammarError as exc:
             self._delivered(RequestFailed(corr=0, kind=exc.kind, message=str(exc)))
             return
-        self._step(feed, op, mask, self._delivered)
+        self._step(feed, op, StepShape(mask=mask, penalty=penalty), self._delivered)
+
+    def _penalty(self) -> Penalty | None:
+        spec = self.spec
+        if not (spec.presence_penalty or spec.frequency_penalty):
+            return None
+        return Penalty(
+            presence=spec.presence_penalty,
+            frequency=spec.frequency_penalty,
+            tokens=tuple(self.tokens),
+        )
 
     def _step_mask(self) -> Rle | None:
         matcher = self.matcher

@@ -16,7 +16,8 @@ from params import MAX_PROMPT_TOKENS, ApiError, Params, refuse_unsupported
 
 FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logit_bias",
-    "echo", "logprobs", "stream", "stream_options", "user", "ignore_eos",
+    "echo", "logprobs", "stream", "stream_options", "user", "ignore_eos", "presence_penalty",
+    "frequency_penalty",
 }  # fmt: skip
 DEFAULT_MAX_TOKENS = 16
 """The API's own default for this endpoint."""

@@ -20,15 +20,13 @@ MAX_CHOICES = 16
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
-    "logit_bias", "logprobs", "top_logprobs",
+    "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
 }  # fmt: skip
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
     "stream", "text", "user",
 }  # fmt: skip
 DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False),
@@ -69,6 +67,8 @@ class Params:
         self.n = n
         self.format_field = "response_format"
         self.logit_bias = logit_bias or []
+        self.penalties = (0.0, 0.0)
+        """`presence_penalty` and `frequency_penalty`, applied by the engine at every step."""
         """(run-length mask, value) pairs: OpenAI's `logit_bias`, one pair per distinct value."""
 
     @classmethod
@@ -93,6 +93,10 @@ class Params:
         stops = _stops(body.get("stop"))
         params = cls(_sampler(body, 0), max_tokens, stops, ignore_eos, _schema(body), n)
         params.logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
+        params.penalties = tuple(
+            _number(name, body.get(name, 0.0), -2.0, 2.0)
+            for name in ("presence_penalty", "frequency_penalty")
+        )
         params.format_field = "text.format" if "text" in body else "response_format"
         return params
 
@@ -117,6 +121,8 @@ class Params:
                 stop_tokens=[] if self.ignore_eos else None,
                 schema=self.schema,
                 logit_bias=self.logit_bias,
+                presence_penalty=self.penalties[0],
+                frequency_penalty=self.penalties[1],
             )
         except HostError as error:
             if error.kind == "invalid" and self.schema is not None:

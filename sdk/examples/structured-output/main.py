@@ -36,6 +36,8 @@ async def one(
         sampler,
         max_tokens=int(input.get("max_tokens", 256)),
         grammar=None if grammar is None else grammar.matcher(),
+        presence_penalty=float(input.get("presence_penalty", 0.0)),
+        frequency_penalty=float(input.get("frequency_penalty", 0.0)),
     )
     if input.get("stepwise"):
         # The program drives each step itself (masking with the matcher in the guest); the

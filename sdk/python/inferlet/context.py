@@ -126,6 +126,8 @@ class Context:
         grammar: str | Grammar | Matcher | None = None,
         logit_bias: Iterable[tuple[Sequence[int], float]] = (),
         step_bias: StepBias | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> Generation:
         """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
         stop tokens) or once the text contains one of `stop_strings`. `logit_mask` (run lengths
@@ -139,7 +141,9 @@ class Context:
         complete; read it with `collect_json()` for JSON. `logit_bias` adds each `value` to the
         logits of the tokens its `mask` (run lengths) selects, at every step; `step_bias(last)`
         gives more biases for each step from the token fed last (a watermark's green list),
-        which makes the generation step in the program."""
+        which makes the generation step in the program. `presence_penalty` and
+        `frequency_penalty` (-2..2) lower the logits of tokens the generation has already
+        produced, by `frequency * count + presence` (the OpenAI API's rule), in the engine."""
         matcher, owned = _matcher_for(self.model, schema, regex, grammar)
         return Generation(
             self,
@@ -153,6 +157,8 @@ class Context:
             owns_matcher=owned,
             logit_bias=logit_bias,
             step_bias=step_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
 
     async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
@@ -303,4 +309,5 @@ def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPas
         logit_mask=None,
         slots=slots,
         logit_bias=[],
+        penalty=None,
     )

@@ -110,6 +110,7 @@ class Forward:
             logit_mask=self._logit_mask,
             slots=self._slots,
             logit_bias=self._logit_bias,
+            penalty=None,
         )
         outputs = await self._context._run_own(pass_)
         return [slot_result(out) for out in outputs]

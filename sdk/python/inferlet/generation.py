@@ -51,6 +51,8 @@ class Generation:
         owns_matcher: bool = False,
         logit_bias: Iterable[tuple[Sequence[int], float]] = (),
         step_bias: StepBias | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -76,6 +78,7 @@ class Generation:
         self._owns_matcher = owns_matcher
         self._logit_bias = [fw.LogitBias(list(mask), value) for mask, value in logit_bias]
         self._step_bias = step_bias
+        self._penalties = (presence_penalty, frequency_penalty)
         self._stream = TextStream(ctx.model, self._stops) if self._stops else None
         self._feed: list[int] | None = None
         self._run: int | None = None
@@ -184,6 +187,8 @@ class Generation:
             text=text,
             matcher=None if self.matcher is None else self.matcher.handle,
             logit_bias=self._logit_bias,
+            presence_penalty=self._penalties[0],
+            frequency_penalty=self._penalties[1],
         )
         try:
             self._run = call(gen.start, params)
@@ -243,7 +248,14 @@ class Generation:
             if self._step_bias is not None:
                 bias = bias + [fw.LogitBias(list(m), v) for m, v in self._step_bias(feed[-1])]
             pass_ = fw.ForwardPass(
-                ctx.handle, feed, None, None, mask, [fw.Slot(len(feed) - 1, op)], bias
+                ctx.handle,
+                feed,
+                None,
+                None,
+                mask,
+                [fw.Slot(len(feed) - 1, op)],
+                bias,
+                self._penalty(),
             )
             token = (await run_pass(pass_))[0].value
             assert isinstance(token, int)
@@ -264,6 +276,13 @@ class Generation:
         if len(self.tokens) >= self._max_tokens:
             return self._finish("length", token, feed[-1])
         self._feed = [token]
+
+    def _penalty(self) -> fw.Penalty | None:
+        """The step's penalties over the tokens generated so far (the engine's run rule)."""
+        presence, frequency = self._penalties
+        if not (presence or frequency):
+            return None
+        return fw.Penalty(presence, frequency, list(self.tokens))
 
     def _start(self) -> list[int]:
         ctx = self._ctx

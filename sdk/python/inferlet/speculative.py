@@ -182,7 +182,9 @@ class _Speculator:
         slots = [
             fw.Slot(i, self.sampler.at_step(step + n).slot_op()) for n, i in enumerate(indices)
         ]
-        outputs = await run_pass(fw.ForwardPass(self.ctx.handle, feed, None, None, None, slots, []))
+        outputs = await run_pass(
+            fw.ForwardPass(self.ctx.handle, feed, None, None, None, slots, [], None)
+        )
         self.result.passes += 1
         tokens = [out.value for out in outputs]
         if not all(isinstance(t, int) for t in tokens):

@@ -94,6 +94,8 @@ def _params(ctx: Context, prompt: list[int], tokens: int, every: int) -> Any:
         text=False,
         matcher=None,
         logit_bias=[],
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
     )
 
 
