@@ -19,6 +19,7 @@ from pie.drivers.synthetic import SyntheticDriver
 from pie.drivers.tokenizer import Tokenizer
 from pie.engine import open_engine
 from pie.events import inferlet as ev
+from pie.sandbox import WasmRuntime
 from pie.server.app import Server
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts
@@ -27,6 +28,14 @@ from pie.wire.frames import decode_server_frame, encode_frame
 
 PYTEST_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "d"
 """Where `pytestconfig.cache.mkdir(name)` puts its folders."""
+
+
+def precompiled(wasm: bytes) -> bytes:
+    """`wasm`, compiled now into the component cache `serving` engines use: for module-scoped
+    fixtures, so that a test that measures its process (the security tests) never counts the
+    compiler's few hundred MiB, kept by the allocator afterwards, against what it checks."""
+    WasmRuntime(PYTEST_CACHE / "pie-components").cache.load(wasm)
+    return wasm
 
 
 @functools.cache

@@ -142,9 +142,9 @@ def grammar_run(
     """A run whose passes answer at once: `choose(mask)` picks each token."""
     masks: list[tuple[int, ...] | None] = []
 
-    def step(feed: Any, op: Any, mask: Any, deliver: Any) -> None:
-        masks.append(mask)
-        out = TokenOutput(token=choose(mask))
+    def step(feed: Any, op: Any, shape: Any, deliver: Any) -> None:
+        masks.append(shape.mask)
+        out = TokenOutput(token=choose(shape.mask))
         deliver(ForwardCompleted(corr=0, context=1, outputs=(out,)))
 
     spec = RunSpec(

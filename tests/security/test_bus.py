@@ -19,7 +19,7 @@ from pie.wire import messages as msg
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import PYTEST_CACHE, Raw, serving
+from tests.server_fixtures import PYTEST_CACHE, Raw, precompiled, serving
 from tests.server_fixtures import connect as raw_connect
 
 pytestmark = pytest.mark.security
@@ -29,7 +29,7 @@ KIB = 1 << 10
 
 @pytest.fixture(scope="module")
 def switchboard(built: Callable[[Path], Path], default_model_dir: Path) -> bytes:  # noqa: F811
-    return built(GUESTS / "switchboard").read_bytes()
+    return precompiled(built(GUESTS / "switchboard").read_bytes())
 
 
 def small_bus() -> EngineConfig:

@@ -29,7 +29,7 @@ from pie.wire.frames import DEFAULT_MAX_FRAME, encode_frame
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.server_fixtures import PYTEST_CACHE, Raw, connect, http_front, serving
+from tests.server_fixtures import PYTEST_CACHE, Raw, connect, http_front, precompiled, serving
 
 pytestmark = pytest.mark.security
 
@@ -249,7 +249,7 @@ async def test_a_crashing_program_s_caller_gets_no_traceback(
 
 @pytest.fixture(scope="module")
 def openai_wasm(built: Callable[[Path], Path]) -> bytes:  # noqa: F811
-    return built(OPENAI_SERVER).read_bytes()
+    return precompiled(built(OPENAI_SERVER).read_bytes())
 
 
 def _chat(client: openai.OpenAI, model: str, content: str, **extra: Any) -> Any:
