@@ -22,11 +22,11 @@ from pie.sandbox.host import (
     serving,
     session,
 )
+from pie.sandbox.host.records import ModelView
 from pie.sandbox.host.state import (
     Bridge,
     HostFailure,
     InstanceState,
-    ModelView,
     bind,
     current,
 )

@@ -7,7 +7,8 @@ from typing import Any
 
 from wasmtime.component import LinkerInstance
 
-from pie.sandbox.host.state import HostFailure, ModelView, current, host_call
+from pie.sandbox.host.records import ModelView
+from pie.sandbox.host.state import HostFailure, current, host_call
 from pie.sandbox.wasm import add_host_func, record
 
 INTERFACE = "pie:inferlet/model@0.1.0"

@@ -72,12 +72,16 @@ class RunOutput:
     """Once finished: the last token the run's passes wrote into the context."""
 
 
-@frozen(kw_only=True)
+@frozen
 class StepShape:
     """What one step's pass carries besides its feed and sampler."""
 
     mask: Rle | None = None
     penalty: Penalty | None = None
+
+
+PLAIN_STEP = StepShape()
+"""The shape of every step of a run with no mask and no penalty: no allocation per token."""
 
 
 Step = Callable[[tuple[int, ...], SlotOp, StepShape, Callable[[Any], None]], None]
@@ -180,7 +184,8 @@ class Run:
         except GrammarError as exc:
             self._delivered(RequestFailed(corr=0, kind=exc.kind, message=str(exc)))
             return
-        self._step(feed, op, StepShape(mask=mask, penalty=penalty), self._delivered)
+        shape = PLAIN_STEP if mask is None and penalty is None else StepShape(mask, penalty)
+        self._step(feed, op, shape, self._delivered)
 
     def _penalty(self) -> Penalty | None:
         spec = self.spec

@@ -10,62 +10,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from attrs import define, field
-
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
-from pie.grammar import Grammars
 from pie.sandbox.host.failure import HostFailure
 from pie.sandbox.host.matchertable import MatcherTable
 from pie.sandbox.host.ports import Bridge, FastPath
+from pie.sandbox.host.records import Child, ModelView, Pending, Subscription
 from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
-
-
-@define
-class ModelView:
-    """What the host needs of a model: its tokenizer and limits."""
-
-    name: str
-    tokenizer: Any
-    vocab_size: int
-    page_size: int
-    max_batch_tokens: int
-    grammars: Grammars | None = None
-    """The model's grammar engine; None refuses constrained decoding."""
-    lock: threading.Lock = field(factory=threading.Lock)
-    """HF fast tokenizers are not safe to call from several threads at once."""
-
-
-@define
-class Pending:
-    """A pollable: filled in by `deliver` (or at once), taken once by the guest."""
-
-    kind: str
-    done: bool = False
-    value: Any = None
-
-
-@define
-class Subscription:
-    topic: str
-    corr: int
-    messages: collections.deque[tuple[str, int]] = field(factory=collections.deque)
-    """What arrived before the guest asked for it, oldest first, each with its UTF-8 size."""
-    bytes: int = 0
-    waiting: collections.deque[int] = field(factory=collections.deque)
-    dropped: int = 0
-
-
-@define
-class Child:
-    instance: str | None = None
-    end: Any = None
-    waiting: list[int] = field(factory=list)
 
 
 class InstanceState:
