@@ -19,6 +19,8 @@ from pie.events.batching import ForwardCompleted
 from pie.events.sampling import Argmax, TokenOutput
 from pie.grammar import GrammarError, GrammarLimits, Grammars, bitmask_to_rle, intersect
 from pie.grammar.masks import runs_to_bools
+from pie.sandbox.host.failure import HostFailure
+from pie.sandbox.host.matchertable import MatcherTable
 from pie.sandbox.host.runs import Run, RunFailed, RunSpec
 from tests.tiny_models import VOCAB, write_tiny_tokenizer
 
@@ -192,3 +194,29 @@ def test_a_matcher_drives_one_run_at_a_time(tiny_tokenizer: Tokenizer) -> None:
 
 def test_the_tokenizer_json_keeps_added_tokens(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
     assert '"<|endoftext|>"' in tiny_tokenizer.backend_json()
+
+
+def test_an_inferlet_holds_a_bounded_number_of_grammars_and_matchers(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    grammars = engine(tiny_tokenizer)
+    handles = iter(range(1, 100))
+    table = MatcherTable("alice", 2, lambda: next(handles))
+    compiled = grammars.compile("regex", "a+")
+    grammar = table.add_grammar(grammars, compiled)
+    table.add_grammar(grammars, compiled)
+    with pytest.raises(HostFailure) as refused:
+        table.add_grammar(grammars, compiled)
+    assert refused.value.kind == "quota"
+    first, second = table.new_matcher(grammar), table.new_matcher(grammar)
+    with pytest.raises(HostFailure) as refused:
+        table.new_matcher(grammar)
+    assert refused.value.kind == "quota"
+    table.free(first)
+    table.new_matcher(grammar)  # served again once one is freed
+    table.matcher(second).claim()
+    with pytest.raises(HostFailure) as busy:
+        table.for_program(second)
+    assert busy.value.kind == "busy"
+    table.close_all()
+    assert grammars.statistics().live_matchers == 0

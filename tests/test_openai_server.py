@@ -289,6 +289,8 @@ async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
             "frequency_penalty": {"frequency_penalty": 3.0},
             "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "frobnicate": {"extra_body": {"frobnicate": 1}},
+            "n": {"n": 17},
+            "top_logprobs": {"logprobs": True, "top_logprobs": 21},
         }
         with trio.fail_after(600):
             for field, overrides in refused.items():

@@ -11,6 +11,8 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from inferlet.forward import runs
+
 if TYPE_CHECKING:
     from inferlet.context import Context
     from inferlet.generation import Generation
@@ -49,15 +51,9 @@ class Watermark:
     def bias(self, previous: int) -> list[tuple[list[int], float]]:
         """The step's logit bias: `delta` on the green list after `previous`."""
         green = self.green_blocks(previous)
-        runs, value, count = [], True, 0
-        for b in range(self._blocks):
-            width = min(self.block, self.vocab_size - b * self.block)
-            if (b in green) != value:
-                runs.append(count)
-                value, count = not value, 0
-            count += width
-        runs.append(count)
-        return [(runs, self.delta)]
+        lengths = [n * self.block for n in runs(b in green for b in range(self._blocks))]
+        lengths[-1] -= self._blocks * self.block - self.vocab_size  # the last block is short
+        return [(lengths, self.delta)]
 
     def generate(
         self, ctx: Context, sampler: Sampler | None = None, **options: object
