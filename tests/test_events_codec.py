@@ -166,7 +166,15 @@ SAMPLES = (
     kv_ev.DropSnapshots(corr=7, requester="operator", user="ann"),
     kv_ev.TruncateContext(corr=7, requester="a", context=3, count=5),
     kv_ev.MaskPages(corr=8, requester="a", context=3, pages=(0, 2), masked=False),
+    kv_ev.ReleasePages(corr=8, requester="a", context=3, pages=(1, 2)),
     kv_ev.DescribeContext(corr=9, requester="a", context=3),
+    kv_ev.SubmitForward(
+        corr=10,
+        requester="a",
+        context=3,
+        tokens=(4,),
+        window=kv_ev.AttentionWindow(sink_pages=1, window_pages=4),
+    ),
     kv_ev.SubmitForward(
         corr=10,
         requester="a",
@@ -237,6 +245,7 @@ SAMPLES = (
     inf_ev.InferletTerminated(instance="i1", reason="terminated by a", seconds=1.5),
     inf_ev.InferletFinished(instance="i1", status="returned", result="{}", seconds=0.25),
     PageCopy(src=1, dst=2),
+    kv_ev.AttentionWindow(sink_pages=0, window_pages=2),
     REQUEST,
     *OPS,
     *SLOTS,

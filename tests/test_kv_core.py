@@ -1036,7 +1036,7 @@ def _assert_consistent(kv: Kv) -> None:
     pins = [0] * kv.pool.num_pages
     for chain in [*kv.core.contexts.values(), *kv.core.snapshots.values()]:
         assert len(chain.pages) == -(-len(chain.tokens) // PAGE)
-        for page in [*chain.pages, *chain.reserved]:
+        for page in [*chain.held(), *chain.reserved]:
             owners[page] += 1
     for flight in kv.core.in_flight.values():
         for page in flight.pinned:

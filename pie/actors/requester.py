@@ -159,6 +159,9 @@ class Requester:
     async def mask_pages(self, context: int, pages: tuple[int, ...], masked: bool = True) -> None:
         await self.call("kv", kv_ev.MaskPages, context=context, pages=tuple(pages), masked=masked)
 
+    async def release_pages(self, context: int, pages: tuple[int, ...]) -> None:
+        await self.call("kv", kv_ev.ReleasePages, context=context, pages=tuple(pages))
+
     async def describe(self, context: int) -> kv_ev.ContextInfo:
         info: kv_ev.ContextInfo = await self.call("kv", kv_ev.DescribeContext, context=context)
         return info

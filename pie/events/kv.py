@@ -102,6 +102,27 @@ class MaskPages:
 
 
 @frozen(kw_only=True)
+class ReleasePages:
+    """Free whole pages of a context that no later token attends to (windows and sinks): they
+    are masked for good and their KV goes back to the pool. Only full, written pages may go."""
+
+    corr: int
+    requester: str
+    context: int
+    pages: tuple[int, ...]
+
+
+@frozen(kw_only=True)
+class AttentionWindow:
+    """Attention sinks plus a sliding window, in pages: before a pass is placed, every full page
+    after the first `sink_pages` that is not among the last `window_pages` (the page the pass
+    starts writing in counts as one) is released."""
+
+    sink_pages: int = 1
+    window_pages: int = 8
+
+
+@frozen(kw_only=True)
 class DescribeContext:
     corr: int
     requester: str
@@ -125,6 +146,8 @@ class SubmitForward:
     slots: tuple[SamplingSlot, ...] = ()
     fast: bool = False
     """The requester can take the context's next plain decodes on the fast path (a lease)."""
+    window: AttentionWindow | None = None
+    """Release the pages that leave the window before placing the pass."""
 
 
 @frozen(kw_only=True)
@@ -157,6 +180,7 @@ KvCommand = (
     | TruncateContext
     | ReserveTokens
     | MaskPages
+    | ReleasePages
     | DescribeContext
     | SubmitForward
     | ReleaseRequester
@@ -179,6 +203,9 @@ class ContextInfo:
     pages: int = 0
     """Pages holding the context's tokens."""
     masked_pages: tuple[int, ...] = ()
+    """Page indices hidden from attention, the released ones included."""
+    released_pages: tuple[int, ...] = ()
+    """Page indices whose KV was freed (see `ReleasePages`)."""
     reserved_pages: int = 0
     """Pages set aside by `ReserveTokens` that no token uses yet."""
 

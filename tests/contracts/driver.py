@@ -303,6 +303,20 @@ class DriverContract(SamplingContract):
         )
         assert_close(logits_of(masked), logits_of(short), self.logit_tolerance)
 
+    def test_a_page_left_out_of_the_page_list_is_as_if_masked(self, new_driver: NewDriver) -> None:
+        """What the kv actor sends once a context has released a page: the pages still held,
+        the kv slots counted over them, the positions unchanged."""
+        driver = new_driver()
+        page = driver.info.page_size
+        tokens = prompt(driver.info, 3 * page, seed=11)
+        [x] = prompt(driver.info, 1, seed=110)
+        pages = PageSupply(driver.info, seed=11).for_tokens(3 * page + 1)
+        run(driver, request(0, tokens, pages, ()))
+        [masked] = run(driver, request(3 * page, [x], pages, masked_pages=(1,)))
+        held = (pages[0], *pages[2:])
+        [left_out] = run(driver, request(2 * page, [x], held, positions=(3 * page,)))
+        assert_close(logits_of(masked), logits_of(left_out), self.logit_tolerance)
+
     def test_attention_masks_change_what_a_real_model_sees(self, new_driver: NewDriver) -> None:
         driver = new_driver()
         tokens, hidden, (x, _) = self._hidden_slots_case(driver.info)

@@ -159,7 +159,14 @@ class FakeHost:
     def context_info(self, handle: int) -> Record:
         n = len(self.ctx(handle))
         pages = -(-n // PAGE)
-        return record(tokens=n, pages=pages, reserved_pages=0, next_position=n, masked_pages=[])
+        return record(
+            tokens=n,
+            pages=pages,
+            reserved_pages=0,
+            next_position=n,
+            masked_pages=[],
+            released_pages=[],
+        )
 
     # forward ---------------------------------------------------------------------------------
     def execute(self, p: Any) -> int:
@@ -330,6 +337,7 @@ class FakeHost:
                 "truncate": h.truncate,
                 "reserve": lambda c, n: h.check(c),
                 "mask-pages": lambda c, pages, masked: h.check(c),
+                "release-pages": lambda c, pages: h.check(c),
                 "info": h.context_info,
                 "tokens": lambda c: list(h.ctx(c)),
             },

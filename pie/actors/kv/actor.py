@@ -87,13 +87,15 @@ class KvActor(CoreActor):
 
 async def rebuild(requester: Requester, record: SnapshotRecord) -> None:
     """Saves `record`'s snapshot again: its tokens in one pass at their positions (the scheduler
-    chunks a long one), then its masked pages, on a context destroyed afterwards."""
+    chunks a long one), then its masked and released pages, on a context destroyed afterwards."""
     context = await requester.create_context(user=record.user)
     try:
         if record.tokens:
             await requester.forward(context, record.tokens, positions=record.positions)
         if record.masked:
             await requester.mask_pages(context, record.masked)
+        if record.released:
+            await requester.release_pages(context, record.released)
         await requester.save(context, record.name, user=record.user)
     finally:
         await requester.destroy(context)

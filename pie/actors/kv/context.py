@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from attrs import define, field
 
+RELEASED = -1
+"""Stands in a chain's `pages` for a page whose KV was released: page indices keep counting
+tokens (token i is in page i // page_size) while the pool has the page back."""
+
 
 @define
 class Chain:
@@ -12,6 +16,8 @@ class Chain:
     Token i lives in pages[i // page_size]. `hashes[j]` identifies full page j once its KV is
     written (committed); `written` counts tokens whose KV exists. `reserved` pages are owned by
     the chain but hold no tokens yet: later passes take them, in order, before the pool's.
+    Released pages stay in `pages` as RELEASED (and in `masked`): only full, committed pages
+    are released, so the tail a pass writes into is always held.
     """
 
     owner: str
@@ -44,6 +50,14 @@ class Chain:
             masked=set(self.masked),
             salt=self.salt,
         )
+
+    def held(self) -> list[int]:
+        """The pool pages the chain holds tokens in (released ones left out)."""
+        return [page for page in self.pages if page != RELEASED]
+
+    def released(self) -> list[int]:
+        """The indices of the released pages, in order."""
+        return [j for j, page in enumerate(self.pages) if page == RELEASED]
 
     def next_position(self) -> int:
         return self.positions[-1] + 1 if self.positions else 0

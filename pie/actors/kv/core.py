@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pie.actors.kv.context import Chain, InFlight
+from pie.actors.kv.context import RELEASED, Chain, InFlight
 from pie.actors.kv.leases import lease_for
 from pie.actors.kv.pages import OutOfPages, PagePool, chain_hash, salted
 from pie.actors.kv.prefix import PrefixCache, park_surplus, skip_tokens
 from pie.actors.kv.quotas import Quotas, check_growth, check_size, check_snapshot
 from pie.actors.kv.statistics import KvStatistics
 from pie.actors.kv.validation import OutputLimits, RequestError, validate_forward
+from pie.actors.kv.window import Compactor, check_release, check_window, leaving
 from pie.events import kv as ev
 from pie.events.batching import ScheduleForward
 from pie.events.forward import ForwardRequest, PageCopy
@@ -55,6 +56,7 @@ class KvCore:
         self._next_context = 1
         self._shared_hits = 0
         self._tail_copies = 0
+        self._released = 0
         self.leases: dict[int, list[int]] = {}
         """The pages each outstanding lease pins."""
         self._next_lease = 1
@@ -98,7 +100,7 @@ class KvCore:
                 source = self._owned(event.context, event.requester)
                 self._quiet(source, "fork")
                 source.lease = None
-                self.pool.share(source.pages)
+                self.pool.share(source.held())
                 return self._created(event, source.copy(event.requester))
             case ev.OpenContext():
                 return self._open(event)
@@ -125,6 +127,12 @@ class KvCore:
             case ev.MaskPages():
                 self._mask(self._owned(event.context, event.requester), event.pages, event.masked)
                 return [(event.requester, ev.Done(corr=event.corr))]
+            case ev.ReleasePages():
+                chain = self._owned(event.context, event.requester)
+                self._quiet(chain, "release pages of")
+                check_release(chain, event.pages, self.page_size)
+                self._release(chain, event.pages)
+                return [(event.requester, ev.Done(corr=event.corr))]
             case ev.DescribeContext():
                 return [(event.requester, self._describe(event))]
             case ev.ReleaseRequester():
@@ -141,6 +149,9 @@ class KvCore:
         chain = self._owned(event.context, event.requester)
         self._quiet(chain, "submit a pass to")
         validate_forward(event, len(chain.tokens), self.vocab_size, self.outputs)
+        if event.window is not None:
+            check_window(event.window)
+            self._release(chain, leaving(chain, event.window, self.page_size))
         positions = event.positions
         if positions is None:
             start = chain.next_position()
@@ -153,7 +164,8 @@ class KvCore:
         reuse = self.prefix.find(chain, event, positions, salt)
         reused = [page for page, _ in reuse or ()]
         total = self._pages_for(old_length + len(event.tokens))
-        check_size(self.quotas, old_length + len(event.tokens), total)
+        released = chain.released()
+        check_size(self.quotas, old_length + len(event.tokens), total - len(released))
         needed = total - len(chain.pages) - len(reused)
         tail = self._tail_needing_copy(chain, old_length)
         count = needed + (1 if tail is not None else 0)
@@ -176,8 +188,10 @@ class KvCore:
         chain.tokens.extend(event.tokens)
         chain.positions.extend(positions)
         chain.in_flight = event.corr
-        self.pool.pin(chain.pages)
-        pinned = list(chain.pages) + ([replaced[1]] if replaced else [])
+        pinned = chain.held()
+        self.pool.pin(pinned)
+        if replaced:
+            pinned.append(replaced[1])
         lease = self._grant(event, chain) if event.fast else None
         self.in_flight[event.corr] = InFlight(
             context=event.context,
@@ -207,11 +221,14 @@ class KvCore:
             copies=copies,
             lease=lease,
         )
-        return skip_tokens(request, len(reused) * self.page_size)
+        request = skip_tokens(request, len(reused) * self.page_size)
+        return Compactor(released, self.page_size).request(request)
 
     def _grant(self, event: ev.SubmitForward, chain: Chain) -> Lease | None:
         chain.lease = None
-        lease = lease_for(event, chain, self._next_lease, self.page_size)
+        lease = lease_for(
+            event, chain, self._next_lease, self.page_size, reserve=event.window is None
+        )
         if lease is None:
             return None
         self._next_lease += 1
@@ -334,7 +351,7 @@ class KvCore:
             del self.snapshots[key]
             snapshot.owner = event.requester
             return self._created(event, snapshot)
-        self.pool.share(snapshot.pages)
+        self.pool.share(snapshot.held())
         return self._created(event, snapshot.copy(event.requester))
 
     def _save(self, event: ev.SaveContext) -> list[Output]:
@@ -347,16 +364,16 @@ class KvCore:
         snapshot = chain.copy(owner=f"snapshot:{event.user}")
         snapshot.user = event.user
         check_snapshot(self.quotas, self.snapshots.values(), snapshot)
-        self.pool.share(chain.pages)
+        self.pool.share(chain.held())
         self.snapshots[key] = snapshot
         return [(event.requester, ev.Done(corr=event.corr))]
 
     def _delete_snapshot(self, key: tuple[str, str]) -> None:
-        self._release_chain(self.snapshots.pop(key).pages)
+        self._release_chain(self.snapshots.pop(key).held())
 
     def _drop(self, context: int) -> None:
         chain = self.contexts.pop(context)
-        self._release_chain(chain.pages)
+        self._release_chain(chain.held())
         self.pool.release(chain.reserved)
 
     def _release_chain(self, pages: list[int]) -> None:
@@ -384,7 +401,11 @@ class KvCore:
             raise RequestError("invalid", f"cannot truncate {count} of {len(chain.tokens)} tokens")
         length = len(chain.tokens) - count
         keep = self._pages_for(length)
-        self._release_chain(chain.pages[keep:])
+        if length % self.page_size and chain.pages[keep - 1] == RELEASED:
+            raise RequestError(
+                "invalid", f"cannot truncate into page {keep - 1}: its KV was released"
+            )
+        self._release_chain([page for page in chain.pages[keep:] if page != RELEASED])
         del chain.pages[keep:]
         del chain.tokens[length:]
         del chain.positions[length:]
@@ -399,8 +420,21 @@ class KvCore:
         bad = [p for p in pages if not 0 <= p < len(chain.pages)]
         if bad:
             raise RequestError("invalid", f"page indices {bad} outside 0..{len(chain.pages) - 1}")
+        if not masked and (gone := [p for p in pages if chain.pages[p] == RELEASED]):
+            raise RequestError("invalid", f"pages {gone} were released: their KV is gone")
         chain.masked = chain.masked | set(pages) if masked else chain.masked - set(pages)
         chain.salt = salted(chain.salt, repr(sorted(chain.masked)))
+
+    def _release(self, chain: Chain, pages: tuple[int, ...] | list[int]) -> None:
+        """Masks the pages for good and gives their KV back to the pool (checked already)."""
+        fresh = sorted({p for p in pages if chain.pages[p] != RELEASED})
+        if not fresh:
+            return
+        self._mask(chain, tuple(fresh), True)
+        self.pool.release(chain.pages[p] for p in fresh)
+        for p in fresh:
+            chain.pages[p] = RELEASED
+        self._released += len(fresh)
 
     def _describe(self, event: ev.DescribeContext) -> ev.ContextInfo:
         chain = self._owned(event.context, event.requester)
@@ -409,8 +443,9 @@ class KvCore:
             context=event.context,
             tokens=tuple(chain.tokens),
             positions=tuple(chain.positions),
-            pages=len(chain.pages),
+            pages=len(chain.held()),
             masked_pages=tuple(sorted(chain.masked)),
+            released_pages=tuple(chain.released()),
             reserved_pages=len(chain.reserved),
         )
 
@@ -450,6 +485,7 @@ class KvCore:
             passes_in_flight=len(self.in_flight),
             shared_page_hits=self._shared_hits,
             tail_copies=self._tail_copies,
+            pages_released=self._released,
             leases=len(self.leases),
             prefix_cache=self.prefix.scope,
             pages_cached=self.pool.cached,

@@ -1,7 +1,7 @@
 """Named snapshots kept on disk so that they outlive the process: one JSON record per snapshot
-holding what rebuilds it (its user, name, tokens, positions and masked pages), each written
-atomically (a temporary file, fsync, rename, fsync of the folder) so a kill leaves the old record
-or the new one, never half of one."""
+holding what rebuilds it (its user, name, tokens, positions, masked and released pages), each
+written atomically (a temporary file, fsync, rename, fsync of the folder) so a kill leaves the
+old record or the new one, never half of one."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ log = logging.getLogger(__name__)
 @frozen(kw_only=True)
 class SnapshotRecord:
     """What a snapshot's KV is recomputed from: its tokens, run at their positions, with the
-    recorded pages masked afterwards."""
+    recorded pages masked (and released) afterwards."""
 
     user: str
     name: str
     tokens: tuple[int, ...]
     positions: tuple[int, ...]
     masked: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, user: str, name: str, chain: Chain) -> SnapshotRecord:
@@ -39,6 +40,7 @@ class SnapshotRecord:
             tokens=tuple(chain.tokens),
             positions=tuple(chain.positions),
             masked=tuple(sorted(chain.masked)),
+            released=tuple(chain.released()),
         )
 
     def encode(self) -> bytes:
@@ -48,6 +50,7 @@ class SnapshotRecord:
             "tokens": list(self.tokens),
             "positions": list(self.positions),
             "masked": list(self.masked),
+            "released": list(self.released),
         }
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -55,13 +58,9 @@ class SnapshotRecord:
     def decode(cls, data: bytes) -> SnapshotRecord:
         """Raises ValueError on anything but a whole, consistent record."""
         body: Any = json.loads(data)
-        if not isinstance(body, dict) or set(body) != {
-            "user",
-            "name",
-            "tokens",
-            "positions",
-            "masked",
-        }:
+        keys = {"user", "name", "tokens", "positions", "masked"}
+        # Records written before pages could be released have no "released".
+        if not isinstance(body, dict) or not keys <= set(body) <= keys | {"released"}:
             raise ValueError("not a snapshot record")
         user, name = body["user"], body["name"]
         if not isinstance(user, str) or not isinstance(name, str):
@@ -72,6 +71,7 @@ class SnapshotRecord:
             tokens=_ints(body["tokens"], "tokens"),
             positions=_ints(body["positions"], "positions"),
             masked=_ints(body["masked"], "masked"),
+            released=_ints(body.get("released", []), "released"),
         )
         if len(record.tokens) != len(record.positions):
             raise ValueError(f"{len(record.tokens)} tokens but {len(record.positions)} positions")

@@ -49,7 +49,7 @@ def held(chains: Iterable[Chain]) -> set[int]:
     """The distinct pages the chains hold, their reserves included (forks share, so count once)."""
     pages: set[int] = set()
     for chain in chains:
-        pages.update(chain.pages)
+        pages.update(chain.held())
         pages.update(chain.reserved)
     return pages
 

@@ -27,3 +27,5 @@ class KvStatistics:
     prefix_hit_tokens: int = 0
     """Tokens that never went to the driver because their pages were reused."""
     pages_evicted: int = 0
+    pages_released: int = 0
+    """Pages contexts gave back while keeping their tokens (attention windows and sinks)."""

@@ -85,6 +85,11 @@ def mask_pages(ctx: int, pages: list[int], masked: bool) -> None:
     _kv(ev.MaskPages, context=ctx, pages=tuple(pages), masked=masked)
 
 
+def release_pages(ctx: int, pages: list[int]) -> None:
+    _changing(ctx)
+    _kv(ev.ReleasePages, context=ctx, pages=tuple(pages))
+
+
 def info(ctx: int) -> Any:
     described: ev.ContextInfo = _kv(ev.DescribeContext, context=ctx)
     positions = described.positions
@@ -94,6 +99,7 @@ def info(ctx: int) -> Any:
         reserved_pages=described.reserved_pages,
         next_position=positions[-1] + 1 if positions else 0,
         masked_pages=list(described.masked_pages),
+        released_pages=list(described.released_pages),
     )
 
 
@@ -104,6 +110,18 @@ def tokens(ctx: int) -> list[int]:
 
 def register(instance: LinkerInstance) -> None:
     add_host_func(instance, "open", host_call(open_))
-    for fn in (create, take, delete, fork, save, destroy, truncate, reserve, mask_pages, info):
+    for fn in (
+        create,
+        take,
+        delete,
+        fork,
+        save,
+        destroy,
+        truncate,
+        reserve,
+        mask_pages,
+        release_pages,
+        info,
+    ):
         add_host_func(instance, fn.__name__.replace("_", "-"), host_call(fn))
     add_host_func(instance, "tokens", host_call(tokens))

@@ -74,6 +74,15 @@ def _penalty(given: Any) -> s.Penalty | None:
     )
 
 
+def attention_window(given: Any) -> ev.AttentionWindow | None:
+    """The program's window; its bounds are checked by the kv actor."""
+    if given is None:
+        return None
+    return ev.AttentionWindow(
+        sink_pages=getattr(given, "sink-pages"), window_pages=getattr(given, "window-pages")
+    )
+
+
 def execute(pass_: Any) -> int:
     state = current()
     state.runs.forbid(pass_.context)
@@ -82,6 +91,7 @@ def execute(pass_: Any) -> int:
     logit_mask = _get(pass_, "logit-mask")
     bias = logit_biases(_get(pass_, "logit-bias"))
     penalty = _penalty(_get(pass_, "penalty"))
+    window = attention_window(_get(pass_, "window"))
     tokens = tuple(pass_.tokens)
     slots = _slots(pass_.slots)
     positions = None if positions is None else tuple(positions)
@@ -89,7 +99,9 @@ def execute(pass_: Any) -> int:
     if lanes is not None:
         context = pass_.context
         try:
-            if masks is None and logit_mask is None and not bias and penalty is None:
+            plain = masks is None and logit_mask is None and not bias and penalty is None
+            # A window releases pages as the pass is placed: only the kv actor does that.
+            if plain and window is None:
                 corr = state.next_corr()
                 handle, fill = state.expect("forward")
                 if lanes.submit(context, state.address, corr, tokens, positions, slots, fill):
@@ -111,6 +123,7 @@ def execute(pass_: Any) -> int:
         penalty=penalty,
         slots=slots,
         fast=lanes is not None,
+        window=window,
     )
     return state.submit("kv", event, "forward")
 

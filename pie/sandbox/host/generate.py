@@ -13,7 +13,7 @@ from pie.events import kv as ev
 from pie.events import sampling as s
 from pie.events.speculation import LaneBusy
 from pie.grammar import GrammarError
-from pie.sandbox.host.forward import logit_biases, slot_op
+from pie.sandbox.host.forward import attention_window, logit_biases, slot_op
 from pie.sandbox.host.runs import Run, RunFailed, RunSpec, StepShape
 from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
 from pie.sandbox.wasm import add_host_func, record
@@ -107,6 +107,7 @@ def run_spec(params: Any) -> RunSpec:
             frequency_penalty=_penalty(params, "frequency-penalty"),
             deliver_every=getattr(params, "deliver-every"),
             text=params.text,
+            window=attention_window(getattr(params, "window", None)),
         )
     except (TypeError, ValueError) as exc:
         raise HostFailure("invalid", str(exc)) from None
@@ -124,8 +125,11 @@ def _penalty(params: Any, name: str) -> float:
 
 def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
     """Sends one step of the run: on its lane when the context has one and the step fits it,
-    else through the kv actor (which may grant a lease for the next step)."""
+    else through the kv actor (which may grant a lease for the next step). A windowed run's
+    first step goes through the kv actor, which releases pages and grants a lease that ends
+    with the tail page, so that every later step that starts a page comes back to it."""
     lanes = state.lanes
+    window_pending = spec.window is not None
 
     def step(
         tokens: tuple[int, ...],
@@ -133,10 +137,13 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
         shape: StepShape,
         deliver: Callable[[Any], None],
     ) -> None:
+        nonlocal window_pending
         slots = (s.SamplingSlot(index=len(tokens) - 1, op=op),)
         corr = state.next_corr()
         plain = shape.mask is None and shape.penalty is None and not spec.logit_bias
-        if lanes is not None and plain:
+        if lanes is not None and window_pending:
+            lanes.close(spec.context, state.address)
+        elif lanes is not None and plain:
             try:
                 if lanes.submit(spec.context, state.address, corr, tokens, None, slots, deliver):
                     return
@@ -155,7 +162,9 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             penalty=shape.penalty,
             slots=slots,
             fast=lanes is not None,
+            window=spec.window,
         )
+        window_pending = False
         state.submit_to("kv", event, deliver)
 
     return step

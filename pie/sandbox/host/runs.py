@@ -20,7 +20,7 @@ import attrs
 from attrs import frozen
 
 from pie.events.batching import ForwardCompleted
-from pie.events.kv import RequestFailed
+from pie.events.kv import AttentionWindow, RequestFailed
 from pie.events.sampling import LogitBias, Penalty, Rle, SlotOp, TokenOutput
 from pie.grammar import GrammarError, Matcher, intersect
 from pie.sandbox.host.textstream import Decode, TextStream
@@ -56,6 +56,8 @@ class RunSpec:
     """Wake the program every this many new tokens; 0: only when the run ends."""
     text: bool = False
     """Detokenize as the run goes (always done when there are stop strings)."""
+    window: AttentionWindow | None = None
+    """Every step releases the pages that leave this window."""
 
 
 @frozen(kw_only=True)

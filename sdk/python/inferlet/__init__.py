@@ -6,7 +6,7 @@ from __future__ import annotations
 from inferlet import http, mcp, messaging, runtime, session
 from inferlet.context import Context
 from inferlet.errors import HostError
-from inferlet.forward import Forward, runs
+from inferlet.forward import AttentionWindow, Forward, runs
 from inferlet.generation import Generation
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import Model, get_model, models
@@ -24,6 +24,7 @@ from inferlet.speculative import Jacobi, PromptLookup, Speculation, speculate
 from inferlet.watermark import Watermark
 
 __all__ = [
+    "AttentionWindow",
     "Beam",
     "Candidate",
     "Context",

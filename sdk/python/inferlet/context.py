@@ -14,7 +14,7 @@ from wit_world.imports import forward as fw
 
 from inferlet.chat import ChatState
 from inferlet.errors import call
-from inferlet.forward import Forward, run_pass
+from inferlet.forward import AttentionWindow, Forward, run_pass
 from inferlet.generation import Generation, StepBias
 from inferlet.grammar import Grammar, Matcher, grammar_for
 from inferlet.model import Message, Model
@@ -128,6 +128,7 @@ class Context:
         step_bias: StepBias | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        window: AttentionWindow | None = None,
     ) -> Generation:
         """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
         stop tokens) or once the text contains one of `stop_strings`. `logit_mask` (run lengths
@@ -143,7 +144,9 @@ class Context:
         gives more biases for each step from the token fed last (a watermark's green list),
         which makes the generation step in the program. `presence_penalty` and
         `frequency_penalty` (-2..2) lower the logits of tokens the generation has already
-        produced, by `frequency * count + presence` (the OpenAI API's rule), in the engine."""
+        produced, by `frequency * count + presence` (the OpenAI API's rule), in the engine.
+        `window` (an `AttentionWindow`) bounds the KV memory of a long generation: every step
+        first releases the pages that left the window, keeping the sink pages."""
         matcher, owned = _matcher_for(self.model, schema, regex, grammar)
         return Generation(
             self,
@@ -159,6 +162,7 @@ class Context:
             step_bias=step_bias,
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            window=window,
         )
 
     async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
@@ -244,13 +248,18 @@ class Context:
         """Hides (or, with masked=False, shows again) whole KV pages from attention."""
         call(_ctx.mask_pages, self.handle, list(pages), masked)
 
+    def release_pages(self, pages: Iterable[int]) -> None:
+        """Gives back the KV of whole written pages no later token attends to; they stay
+        masked for good, and the context keeps their tokens (see `AttentionWindow`)."""
+        call(_ctx.release_pages, self.handle, list(pages))
+
     @property
     def tokens(self) -> list[int]:
         """The token ids written so far (queued input not included)."""
         return call(_ctx.tokens, self.handle)
 
     def info(self) -> _ctx.ContextInfo:
-        """Tokens, pages, reserved pages, next position and masked pages."""
+        """Tokens, pages held, reserved pages, next position, masked and released pages."""
         return call(_ctx.info, self.handle)
 
     def destroy(self) -> None:
@@ -310,4 +319,5 @@ def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPas
         slots=slots,
         logit_bias=[],
         penalty=None,
+        window=None,
     )

@@ -7,6 +7,7 @@ Masks are run lengths of a boolean mask that alternate true/false starting with 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from wit_world.imports import forward as fw
@@ -17,6 +18,7 @@ from inferlet.sampling import Probe, Sampler, SlotResult, slot_result
 
 if TYPE_CHECKING:
     from inferlet.context import Context
+    from inferlet.model import Model
 
 
 def runs(mask: Iterable[bool]) -> list[int]:
@@ -30,6 +32,27 @@ def runs(mask: Iterable[bool]) -> list[int]:
         count += 1
     lengths.append(count)
     return lengths
+
+
+@dataclass(frozen=True)
+class AttentionWindow:
+    """Attention sinks plus a sliding window, in KV pages: a pass (or every step of a
+    generation) given one first releases every full page after the first `sink_pages` that
+    is not among the last `window_pages` (the page being written counts as one), so a long
+    generation holds at most `sink_pages + window_pages` pages. Released pages stay hidden
+    from attention for good; the context keeps their tokens and positions."""
+
+    window_pages: int
+    sink_pages: int = 1
+
+    @classmethod
+    def tokens(cls, model: Model, window: int, sinks: int = 1) -> AttentionWindow:
+        """The window that keeps at least the last `window` tokens and the first `sinks`."""
+        size = model.page_size
+        return cls(window_pages=-(-window // size) + 1, sink_pages=-(-sinks // size))
+
+    def wit(self) -> fw.AttentionWindow:
+        return fw.AttentionWindow(sink_pages=self.sink_pages, window_pages=self.window_pages)
 
 
 async def run_pass(pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
@@ -54,6 +77,7 @@ class Forward:
         self._logit_mask: list[int] | None = None
         self._logit_bias: list[fw.LogitBias] = []
         self._slots: list[fw.Slot] = []
+        self._window: AttentionWindow | None = None
         self._done = False
 
     def input(self, tokens: Sequence[int], positions: Sequence[int] | None = None) -> Forward:
@@ -85,6 +109,11 @@ class Forward:
         self._logit_bias.append(fw.LogitBias(list(mask), value))
         return self
 
+    def window(self, window: AttentionWindow) -> Forward:
+        """Releases the pages that leave `window` before the pass runs."""
+        self._window = window
+        return self
+
     def sample(self, indices: Iterable[int], sampler: Sampler) -> Forward:
         """A sampling slot at each of `indices` (positions within this pass's input)."""
         op = sampler.slot_op()
@@ -111,6 +140,7 @@ class Forward:
             slots=self._slots,
             logit_bias=self._logit_bias,
             penalty=None,
+            window=None if self._window is None else self._window.wit(),
         )
         outputs = await self._context._run_own(pass_)
         return [slot_result(out) for out in outputs]

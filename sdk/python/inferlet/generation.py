@@ -19,7 +19,7 @@ from wit_world.imports import generate as gen
 
 from inferlet import _loop
 from inferlet.errors import HostError, call
-from inferlet.forward import run_pass
+from inferlet.forward import AttentionWindow, run_pass
 from inferlet.grammar import Matcher, intersect
 from inferlet.sampling import Sampler
 from inferlet.text import TextStream
@@ -53,6 +53,7 @@ class Generation:
         step_bias: StepBias | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        window: AttentionWindow | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -79,6 +80,7 @@ class Generation:
         self._logit_bias = [fw.LogitBias(list(mask), value) for mask, value in logit_bias]
         self._step_bias = step_bias
         self._penalties = (presence_penalty, frequency_penalty)
+        self._window = None if window is None else window.wit()
         self._stream = TextStream(ctx.model, self._stops) if self._stops else None
         self._feed: list[int] | None = None
         self._run: int | None = None
@@ -189,6 +191,7 @@ class Generation:
             logit_bias=self._logit_bias,
             presence_penalty=self._penalties[0],
             frequency_penalty=self._penalties[1],
+            window=self._window,
         )
         try:
             self._run = call(gen.start, params)
@@ -256,6 +259,7 @@ class Generation:
                 [fw.Slot(len(feed) - 1, op)],
                 bias,
                 self._penalty(),
+                self._window,
             )
             token = (await run_pass(pass_))[0].value
             assert isinstance(token, int)
@@ -295,7 +299,9 @@ class Generation:
         try:
             feed = ctx.feed_for_generation()
             self.prompt_tokens = len(feed)
-            self._reserve(len(feed) + self._max_tokens - 1)
+            # A windowed generation holds a bounded number of pages: nothing to reserve.
+            if self._window is None:
+                self._reserve(len(feed) + self._max_tokens - 1)
         except BaseException:
             self._failed()
             raise

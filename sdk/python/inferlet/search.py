@@ -45,7 +45,9 @@ async def score_tokens(prefix: Context, tokens: list[int], top: int = 0) -> list
             slots.append(fw.Slot(start + i, Probe.logprobs([token]).slot_op()))
             if top:
                 slots.append(fw.Slot(start + i, Probe.distribution(top).slot_op()))
-        pass_ = fw.ForwardPass(probe.handle, feed + tokens[:-1], None, None, None, slots, [], None)
+        pass_ = fw.ForwardPass(
+            probe.handle, feed + tokens[:-1], None, None, None, slots, [], None, None
+        )
         outputs = [slot_result(out) for out in await run_pass(pass_)]
     finally:
         probe.destroy()
@@ -201,7 +203,7 @@ async def _distribution(beam: Beam, probe: fw.SlotOp) -> Distribution:
     assert beam.ctx is not None
     slot = fw.Slot(len(beam.feed) - 1, probe)
     (out,) = await run_pass(
-        fw.ForwardPass(beam.ctx.handle, beam.feed, None, None, None, [slot], [], None)
+        fw.ForwardPass(beam.ctx.handle, beam.feed, None, None, None, [slot], [], None, None)
     )
     result = slot_result(out)
     assert isinstance(result, Distribution)

@@ -96,6 +96,7 @@ def _params(ctx: Context, prompt: list[int], tokens: int, every: int) -> Any:
         logit_bias=[],
         presence_penalty=0.0,
         frequency_penalty=0.0,
+        window=None,
     )
 
 
