@@ -1,7 +1,8 @@
 """The OpenAI-compatible endpoint (the `openai-server` example inferlet behind the HTTP front end)
 on the real default model, driven by the `openai` Python package: greedy chat completions equal
 the engine's own decode token for token, whole or streamed, through Chat Completions and
-Responses alike, and bad requests get the API's errors."""
+Responses alike; tool calls hold to their tools' schemas, whole or streamed; streamed logprobs
+equal the whole ones; and bad requests get the API's errors."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -287,7 +289,7 @@ async def test_unsupported_fields_are_refused_by_name_and_defaults_pass(
             "prediction": {"prediction": {"type": "content", "content": "Red"}},
             "audio": {"audio": {"voice": "alloy", "format": "wav"}},
             "frequency_penalty": {"frequency_penalty": 3.0},
-            "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "store": {"store": True},
             "frobnicate": {"extra_body": {"frobnicate": 1}},
             "n": {"n": 17},
             "top_logprobs": {"logprobs": True, "top_logprobs": 21},
@@ -350,12 +352,6 @@ async def test_chat_logprobs_list_each_token_with_its_likeliest_alternatives(
                     top_logprobs=3,
                 )
             )
-            with pytest.raises(openai.BadRequestError, match="logprobs"):
-                await in_thread(
-                    lambda: client.chat.completions.create(
-                        model=model, messages=MESSAGES, logprobs=True, stream=True
-                    )
-                )
     content = reply.choices[0].logprobs.content
     assert "".join(entry.token for entry in content) == reply.choices[0].message.content
     for entry in content:
@@ -445,3 +441,290 @@ async def test_frequency_and_presence_penalties_cut_repetition(
         repeats(penalised.choices[0].message.content)
         < repeats(plain.choices[0].message.content) / 2
     )
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+SUM = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+SEARCH = {
+    "type": "object",
+    "properties": {
+        "query": {"type": "string", "maxLength": 30},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
+    },
+    "required": ["query"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "add": SUM, "search": SEARCH}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": p}}
+    for name, p in SCHEMAS.items()
+]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL_TOKENS = 100
+"""Enough for any call to the tools above; their fields are bounded."""
+
+
+def assert_valid_call(call: Any) -> None:
+    """A call names one of TOOLS, and its arguments are JSON that fits that tool's schema."""
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in SCHEMAS
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+async def test_required_tool_choice_calls_a_tool_with_arguments_that_fit_its_schema(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        with trio.fail_after(600):
+            reply = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=engine.info.model_name,
+                    messages=WEATHER_QUESTION,
+                    tools=TOOLS,
+                    tool_choice="required",
+                    parallel_tool_calls=False,
+                    max_tokens=CALL_TOKENS,
+                    temperature=1.0,
+                    seed=3,
+                    n=3,
+                )
+            )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert_valid_call(call)
+    ids = [c.message.tool_calls[0].id for c in reply.choices]
+    assert len(set(ids)) == 3
+
+
+async def test_a_named_tool_is_called_and_streams_as_the_same_call(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+
+        def call_add(**extra: Any) -> Any:
+            return client.chat.completions.create(
+                model=engine.info.model_name,
+                messages=[{"role": "user", "content": "What is 12 plus 30?"}],
+                tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "add"}},
+                max_tokens=CALL_TOKENS,
+                temperature=0,
+                **extra,
+            )
+
+        with trio.fail_after(600):
+            whole = await in_thread(call_add)
+            chunks = await in_thread(lambda: list(call_add(stream=True)))
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    assert_valid_call(call)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    # The stream's deltas assemble into the same call.
+    streamed: dict[int, dict[str, str]] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            part = streamed.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            part["id"] += delta.id or ""
+            part["name"] += delta.function.name or ""
+            part["arguments"] += delta.function.arguments or ""
+    assert list(streamed) == [0]
+    assert streamed[0]["name"] == "add" and streamed[0]["id"].startswith("call_")
+    assert streamed[0]["arguments"] == call.function.arguments
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_auto_answers_in_text_or_a_valid_call_and_none_never_calls(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+
+        def ask(**extra: Any) -> Any:
+            return client.chat.completions.create(
+                model=engine.info.model_name, messages=WEATHER_QUESTION, temperature=0, **extra
+            )
+
+        with trio.fail_after(600):
+            # One short call at most, so that it fits in the tokens a text answer may run to.
+            auto = await in_thread(
+                lambda: ask(
+                    tools=TOOLS[:1], tool_choice="auto", parallel_tool_calls=False, max_tokens=40
+                )
+            )
+            declined = await in_thread(lambda: ask(tools=TOOLS, tool_choice="none", max_tokens=8))
+            plain = await in_thread(lambda: ask(max_tokens=8))
+    choice = auto.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert_valid_call(call)
+    else:
+        assert choice.message.content
+        assert not choice.message.content.lstrip().startswith("<tool_call>")
+        assert choice.finish_reason in ("stop", "length")
+    # With `none` the tools are not offered at all: the prompt and reply are those without tools.
+    assert declined.choices[0].message.tool_calls is None
+    assert declined.choices[0].message.content == plain.choices[0].message.content
+    assert declined.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+async def test_a_tool_result_is_rendered_as_a_turn_and_answered(
+    real: Any, server_wasm: bytes
+) -> None:
+    _, _, tokenizer = real
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+    turns = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        with trio.fail_after(600):
+            reply = await in_thread(
+                lambda: client.chat.completions.create(
+                    model=engine.info.model_name,
+                    messages=turns,
+                    tools=TOOLS,
+                    tool_choice="none",
+                    max_tokens=8,
+                    temperature=0,
+                )
+            )
+    assert reply.choices[0].message.content
+    # The call is written as the model writes one, and the result as a user turn.
+    rendered = [
+        *WEATHER_QUESTION,
+        {
+            "role": "assistant",
+            "content": f'<tool_call>{{"name": "get_weather", "arguments": '
+            f"{arguments}}}</tool_call>",
+        },
+        {"role": "user", "content": "<tool_response>\n18 degrees and sunny\n</tool_response>"},
+    ]
+    expected = tokenizer.encode(tokenizer.apply_chat_template(rendered))
+    assert reply.usage.prompt_tokens == len(expected)
+
+
+async def test_bad_tool_requests_are_refused_by_field_and_the_endpoint_serves_on(
+    real: Any, server_wasm: bytes
+) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+
+        def complete(**overrides: Any) -> Any:
+            request: dict[str, Any] = {
+                "model": engine.info.model_name,
+                "messages": WEATHER_QUESTION,
+                "tools": TOOLS,
+                "max_tokens": 2,
+            }
+            return client.chat.completions.create(**{**request, **overrides})
+
+        def tool(**function: Any) -> list[dict[str, Any]]:
+            return [{"type": "function", "function": function}]
+
+        orphan = [*WEATHER_QUESTION, {"role": "tool", "content": "18 degrees"}]
+        refused = {
+            "tool_choice.function.name": {
+                "tool_choice": {"type": "function", "function": {"name": "multiply"}}
+            },
+            "tools[0].function.parameters": {
+                "tools": tool(name="f", parameters={"type": "nonsense"})
+            },
+            "tools[0].function.name": {"tools": tool(description="no name", parameters=SUM)},
+            "tools[0].function.frobnicate": {"tools": tool(name="f", frobnicate=1)},
+            "messages[1].tool_call_id": {"messages": orphan},
+        }
+        with trio.fail_after(600):
+            for field, overrides in refused.items():
+                with pytest.raises(openai.BadRequestError) as error:
+                    await in_thread(lambda: complete(**overrides))  # noqa: B023
+                assert error.value.body["param"] == field
+            served = await in_thread(
+                lambda: complete(tool_choice="required", max_tokens=CALL_TOKENS)
+            )
+    assert_valid_call(served.choices[0].message.tool_calls[0])
+
+
+async def test_streamed_logprobs_equal_the_whole_ones(real: Any, server_wasm: bytes) -> None:
+    async with openai_endpoint(real, server_wasm) as (engine, url):
+        client = client_for(url)
+        model = engine.info.model_name
+
+        def chat(**extra: Any) -> Any:
+            return client.chat.completions.create(
+                model=model,
+                messages=MESSAGES,
+                max_tokens=8,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+                **extra,
+            )
+
+        def complete(**extra: Any) -> Any:
+            return client.completions.create(
+                model=model,
+                prompt="The capital of France is",
+                max_tokens=6,
+                temperature=0,
+                logprobs=2,
+                **extra,
+            )
+
+        with trio.fail_after(600):
+            whole = await in_thread(chat)
+            chunks = await in_thread(lambda: list(chat(stream=True)))
+            legacy = await in_thread(complete)
+            pieces = await in_thread(lambda: list(complete(stream=True)))
+    expected = whole.choices[0].logprobs.content
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in expected]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    for got, want in zip(streamed, expected, strict=True):
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            [t.logprob for t in want.top_logprobs], abs=1e-4
+        )
+    # Each chunk carries the log-probabilities of its own tokens.
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        if choice.delta.content:
+            assert "".join(e.token for e in choice.logprobs.content) == choice.delta.content
+    scored = legacy.choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in pieces if c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == scored.tokens
+    assert sum((p.text_offset for p in parts), []) == scored.text_offset
+    assert sum((p.token_logprobs for p in parts), []) == pytest.approx(
+        scored.token_logprobs, abs=1e-4
+    )
+    tops = [t for p in parts for t in p.top_logprobs]
+    assert [sorted(t) for t in tops] == [sorted(t) for t in scored.top_logprobs]

@@ -1,7 +1,7 @@
 """`POST /completions`: the legacy Completions API. The prompt is raw text (or token ids), with
 no chat template; `echo` returns it in front of the output, `logprobs` scores the output's (and
 with `echo` the prompt's) tokens with the likeliest alternatives, as lm-eval's loglikelihood
-requests expect."""
+requests expect; streamed, each chunk carries the logprobs of its own tokens."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ async def create(model: Any, body: dict[str, Any]) -> Any:
     )
     prompt = _prompt(model, body.get("prompt"))
     echo, top = _echo_and_top(body)
-    if body.get("stream") and (echo or top is not None):
-        raise HttpError(400, "logprobs: echo and logprobs are returned whole, not with stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise HttpError(400, "stream_options: an object")
     head = {
         "id": f"cmpl-{runtime.instance_id()}",
         "object": "text_completion",
@@ -40,36 +41,42 @@ async def create(model: Any, body: dict[str, Any]) -> Any:
     }
     with Context(model) as ctx:
         ctx.fill_tokens(prompt)
+        if top is not None:
+            await ctx.flush()  # the scorers fork the prefilled prompt
         generations = await params.choices(ctx, body)
-        if body.get("stream"):
-            await _stream(head, generations, len(prompt), body.get("stream_options") or {})
-            return None
-        texts = await asyncio.gather(*(g.collect_text() for g in generations))
-    scored: list[Any] = [None] * len(generations)
-    if top is not None:
-        scored = await _scored(model, prompt, generations, top, echo)
-    prefix = model.decode(prompt) if echo else ""
+        scorers = [] if top is None else [logprobs.Scorer(ctx, top) for _ in generations]
+        try:
+            opening = await _opening(model, prompt, echo, top)
+            if body.get("stream"):
+                await _stream(model, head, generations, scorers, opening, len(prompt), options)
+                return None
+            texts = await asyncio.gather(*(g.collect_text() for g in generations))
+            scores = await logprobs.finished(scorers, generations) if scorers else None
+        finally:
+            for scorer in scorers:
+                scorer.close()
     choices = [
-        {
-            "text": prefix + text,
-            "index": i,
-            "logprobs": scored[i],
-            "finish_reason": "length" if g.stop_reason == "length" else "stop",
-        }
+        _choice(model, i, text, g, scores, opening)
         for i, (text, g) in enumerate(zip(texts, generations, strict=True))
     ]
     return {**head, "choices": choices, "usage": _usage(len(prompt), generations)}
 
 
-async def _scored(
-    model: Any, prompt: list[int], generations: list[Any], top: int, echo: bool
-) -> list[Any]:
-    scores = await logprobs.score(model, prompt, [g.tokens for g in generations], top)
-    if echo:
-        return [logprobs.completion_logprobs(model, s, prompt[0], 0) for s in scores]
-    offset = len(model.decode(prompt))
-    tail = len(prompt) - 1
-    return [logprobs.completion_logprobs(model, s[tail:], None, offset) for s in scores]
+def _choice(
+    model: Any,
+    index: int,
+    text: str,
+    generation: Any,
+    scores: list[Any] | None,
+    opening: tuple[str, Any, int],
+) -> dict[str, Any]:
+    echoed, scored, offset = opening
+    shaped = None
+    if scores is not None:
+        shaped = logprobs.completion_logprobs(model, scores[index], None, offset)
+        shaped = shaped if scored is None else logprobs.joined(scored, shaped)
+    finish = "length" if generation.stop_reason == "length" else "stop"
+    return {"text": echoed + text, "index": index, "logprobs": shaped, "finish_reason": finish}
 
 
 def _prompt(model: Any, given: Any) -> list[int]:
@@ -105,24 +112,66 @@ def _echo_and_top(body: dict[str, Any]) -> tuple[bool, int | None]:
     return echo, top
 
 
-async def _stream(head: dict[str, Any], generations: list[Any], prompt: int, options: Any) -> None:
-    if not isinstance(options, dict):
-        raise HttpError(400, "stream_options: an object")
+async def _opening(
+    model: Any, prompt: list[int], echo: bool, top: int | None
+) -> tuple[str, Any, int]:
+    """What a streamed choice starts with: the echoed prompt and its logprobs, and where the
+    output's text offsets begin."""
+    text = model.decode(prompt)
+    if not echo or top is None:
+        return (text if echo else ""), None, len(text)
+    scores = await logprobs.prompt_scores(model, prompt, top)
+    scored = logprobs.completion_logprobs(model, scores, prompt[0], 0)
+    return text, scored, _end(scored, 0)
+
+
+def _end(scored: dict[str, Any], offset: int) -> int:
+    """The text offset just past a logprobs object's last token."""
+    if not scored["tokens"]:
+        return offset
+    return int(scored["text_offset"][-1]) + len(scored["tokens"][-1])
+
+
+async def _stream(
+    model: Any,
+    head: dict[str, Any],
+    generations: list[Any],
+    scorers: list[logprobs.Scorer],
+    opening: tuple[str, Any, int],
+    prompt: int,
+    options: dict[str, Any],
+) -> None:
     stream = serving.respond(
         200, {"content-type": "text/event-stream", "cache-control": "no-cache"}
     )
 
-    def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
-        choice = {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+    def chunk(index: int, text: str, finish: str | None, scored: Any) -> dict[str, Any]:
+        choice = {"text": text, "index": index, "logprobs": scored, "finish_reason": finish}
         return {**head, "choices": [choice]}
 
-    async def pump(index: int, generation: Any) -> None:
-        async for piece in generation:
-            stream.event(chunk(index, piece, None))
-        finish = "length" if generation.stop_reason == "length" else "stop"
-        stream.event(chunk(index, "", finish))
+    async def pump(index: int, generation: Any, scorer: logprobs.Scorer | None) -> None:
+        echoed, scored, offset = opening
+        if echoed:
+            stream.event(chunk(index, echoed, None, scored))
 
-    await asyncio.gather(*(pump(i, g) for i, g in enumerate(generations)))
+        async def shaped() -> Any:
+            nonlocal offset
+            if scorer is None:
+                return None
+            scores = await scorer.take(generation.tokens)
+            scored = logprobs.completion_logprobs(model, scores, None, offset)
+            offset = _end(scored, offset)
+            return scored
+
+        async for piece in generation:
+            stream.event(chunk(index, piece, None, await shaped()))
+        finish = "length" if generation.stop_reason == "length" else "stop"
+        stream.event(chunk(index, "", finish, await shaped()))
+
+    by_choice = scorers or [None] * len(generations)
+    await asyncio.gather(
+        *(pump(i, g, s) for i, (g, s) in enumerate(zip(generations, by_choice, strict=True)))
+    )
     if options.get("include_usage"):
         stream.event({**head, "choices": [], "usage": _usage(prompt, generations)})
     stream.write("data: [DONE]\n\n")

@@ -1,17 +1,21 @@
 """Log-probabilities for the OpenAI responses: the generated (and, for `echo`, the prompt's)
-tokens scored exactly in one extra pass over prompt and output (`inferlet.score_tokens`), with
-the likeliest alternatives at each position. They are the model's own distribution, before
-temperature, top-p and logit_bias, as in vLLM."""
+tokens scored exactly by extra passes on a fork of the prompt (`Scorer`), with the likeliest
+alternatives at each position; streamed, each piece is scored as it arrives. They are the
+model's own distribution, before temperature, top-p and logit_bias, as in vLLM."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from typing import Any
 
-from inferlet import Context, TokenScore, score_tokens
+from inferlet import Context, Distribution, Probe, TokenScore
 from inferlet.serving import HttpError
 
 MAX_TOP_CHAT = 20
 MAX_TOP_COMPLETIONS = 5
+BLOCK = 128
+"""Tokens scored per pass: two probe slots each stay within the engine's slots per pass."""
 
 
 def chat_top(body: dict[str, Any]) -> int | None:
@@ -28,13 +32,68 @@ def chat_top(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-async def score(model: Any, prompt: list[int], outputs: list[list[int]], top: int) -> list[Any]:
-    """Per output: the scores of the prompt's tokens after the first, then the output's."""
-    scorer = Context(model).fill_tokens(prompt[:1])
-    try:
-        return [await score_tokens(scorer, prompt[1:] + out, top) for out in outputs]
-    finally:
-        scorer.destroy()
+class Scorer:
+    """Scores tokens as they arrive, on a fork of a context (sharing its pages): each `take`
+    feeds what is not written yet, reads the log-probabilities of the new tokens and writes
+    them, so every token is fed once, whether a choice is scored piece by piece while it streams
+    or whole at its end. Passes hold at most BLOCK tokens, two probes each."""
+
+    def __init__(self, prefix: Context, top: int) -> None:
+        self.ctx = prefix.fork()
+        self.top = top
+        self.feed = self.ctx.feed_for_generation()
+        self.scored = 0
+
+    async def take(self, tokens: list[int]) -> list[TokenScore]:
+        """The scores of `tokens` past those taken before."""
+        new, self.scored = tokens[self.scored :], len(tokens)
+        scores: list[TokenScore] = []
+        for start in range(0, len(new), BLOCK):
+            scores += await self._pass(new[start : start + BLOCK])
+        return scores
+
+    async def _pass(self, new: list[int]) -> list[TokenScore]:
+        fwd = self.ctx.forward().input(self.feed + new[:-1])
+        for i, token in enumerate(new):
+            fwd.probe([i], Probe.logprobs([token]))
+            if self.top:
+                fwd.probe([i], Probe.distribution(self.top))
+        outputs = await fwd.execute()
+        self.feed = new[-1:]
+        step = 2 if self.top else 1
+        return [_score(t, outputs[i * step : (i + 1) * step]) for i, t in enumerate(new)]
+
+    def close(self) -> None:
+        self.ctx.destroy()
+
+
+async def finished(scorers: list[Scorer], generations: list[Any]) -> list[list[TokenScore]]:
+    """The scores of each finished generation, by the scorer forked for it."""
+    pairs = zip(scorers, generations, strict=True)
+    return list(await asyncio.gather(*(s.take(g.tokens) for s, g in pairs)))
+
+
+async def prompt_scores(model: Any, prompt: list[int], top: int) -> list[TokenScore]:
+    """The scores of the prompt's tokens after the first (for `echo`)."""
+    with Context(model) as first:
+        scorer = Scorer(first.fill_tokens(prompt[:1]), top)
+        try:
+            return await scorer.take(prompt[1:])
+        finally:
+            scorer.close()
+
+
+def _score(token: int, outputs: list[Any]) -> TokenScore:
+    """A token's score from its probes: the log-probability, then the alternatives if asked."""
+    top: list[tuple[int, float]] = []
+    if len(outputs) > 1:
+        dist = outputs[1]
+        assert isinstance(dist, Distribution)
+        top = [
+            (t, math.log(p) if p > 0 else -math.inf)
+            for t, p in zip(dist.tokens, dist.probs, strict=True)
+        ]
+    return TokenScore(token, float(outputs[0][0]), top)
 
 
 def chat_content(model: Any, scores: list[TokenScore]) -> dict[str, Any]:
@@ -53,6 +112,11 @@ def chat_content(model: Any, scores: list[TokenScore]) -> dict[str, Any]:
         for s in scores
     ]
     return {"content": content, "refusal": None}
+
+
+def chat_chunk(model: Any, scores: list[TokenScore]) -> dict[str, Any] | None:
+    """A streamed chunk's `logprobs`: those of the tokens that arrived with it."""
+    return chat_content(model, scores) if scores else None
 
 
 def completion_logprobs(
@@ -82,6 +146,11 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy `logprobs` objects, one after the other (an echoed prompt, then the output)."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _texts(model: Any, scores: list[TokenScore], more: list[int] | None = None) -> dict[int, str]:

@@ -12,13 +12,13 @@ from typing import Any
 import completions
 import logprobs
 import responses
+import tools
 from inferlet import Context, HostError, get_model, runtime, serving
 from inferlet.serving import HttpError, Request, Response
 from params import (
     CHAT_FIELDS,
     ApiError,
     Params,
-    chat_messages,
     error_body,
     prompt_tokens,
     refuse_unsupported,
@@ -83,64 +83,114 @@ async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
     if not isinstance(options, dict):
         raise HttpError(400, "stream_options: an object")
     top = logprobs.chat_top(body)
-    params.stream_checks(body)
-    prompt = prompt_tokens(model, chat_messages(body.get("messages")), "messages")
+    use = tools.tool_use(body)
+    messages = tools.with_tools(tools.conversation(body.get("messages")), use)
+    prompt = prompt_tokens(model, messages, "messages")
+    if use.offered:
+        params.grammar = tools.compile_grammar(model, use, params.schema)
     with Context(model) as ctx:
         ctx.fill_tokens(prompt)
+        if top is not None:
+            await ctx.flush()  # the scorers fork the prefilled prompt
         generations = await params.choices(ctx, body)
-        reply = _Reply(f"chatcmpl-{runtime.instance_id()}", model.name, len(prompt), generations)
-        if not body.get("stream"):
+        reply = _Reply(runtime.instance_id(), model, len(prompt), generations, use)
+        scorers = [] if top is None else [logprobs.Scorer(ctx, top) for _ in generations]
+        try:
+            if body.get("stream"):
+                await reply.stream(bool(options.get("include_usage")), scorers)
+                return None
             texts = await asyncio.gather(*(g.collect_text() for g in generations))
-            scored = None
-            if top is not None:
-                outputs = [g.tokens for g in generations]
-                scores = await logprobs.score(model, prompt, outputs, top)
-                tail = len(prompt) - 1
-                scored = [logprobs.chat_content(model, s[tail:]) for s in scores]
+            scored = await logprobs.finished(scorers, generations) if scorers else None
             return reply.completion(texts, scored)
-        await reply.stream(bool(options.get("include_usage")))
-        return None
+        finally:
+            for scorer in scorers:
+                scorer.close()
 
 
 class _Reply:
     """A chat completion's choices, whole or as chunks; choices stream side by side."""
 
-    def __init__(self, ident: str, name: str, prompt: int, generations: list[Any]) -> None:
-        self.ident = ident
-        self.name = name
+    def __init__(
+        self, instance: str, model: Any, prompt: int, generations: list[Any], use: tools.ToolUse
+    ) -> None:
+        self.instance = instance
+        self.model = model
         self.prompt = prompt
         self.generations = generations
+        self.use = use
         self.created = int(time.time())
 
-    def completion(self, texts: list[str], scored: list[Any] | None = None) -> dict[str, Any]:
+    def completion(self, texts: list[str], scored: list[Any] | None) -> dict[str, Any]:
         choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None if scored is None else scored[i],
-                "finish_reason": _finish_reason(generation),
-            }
-            for i, (text, generation) in enumerate(zip(texts, self.generations, strict=True))
+            self._choice(i, text, None if scored is None else scored[i])
+            for i, text in enumerate(texts)
         ]
         return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
 
-    async def stream(self, include_usage: bool) -> None:
+    def _choice(self, index: int, text: str, scores: list[Any] | None) -> dict[str, Any]:
+        content, calls = (text, [])
+        if self.use.offered:
+            content, calls = tools.split(text, self._call_id(index))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None if scores is None else logprobs.chat_content(self.model, scores),
+            "finish_reason": _finish_reason(self.generations[index], calls),
+        }
+
+    async def stream(self, include_usage: bool, scorers: list[logprobs.Scorer]) -> None:
+        """Chunks per choice: content as it comes (held back while it may still start a tool
+        call), the calls whole at the end; with logprobs, each chunk scores its own tokens."""
         stream = serving.respond(
             200, {"content-type": "text/event-stream", "cache-control": "no-cache"}
         )
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def chunk(
+            index: int, delta: dict[str, Any], finish: str | None, scores: list[Any]
+        ) -> dict[str, Any]:
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs.chat_chunk(self.model, scores),
+                "finish_reason": finish,
+            }
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-        async def pump(index: int, generation: Any) -> None:
+        async def pump(index: int, generation: Any, scorer: logprobs.Scorer | None) -> None:
+            shaper = tools.CallStream(self.use)
+            waiting: list[Any] = []  # scores of tokens no chunk has carried yet
+
+            def send(delta: dict[str, Any], finish: str | None = None) -> None:
+                stream.event(chunk(index, delta, finish, waiting))
+                waiting.clear()
+
             async for piece in generation:
-                stream.event(chunk(index, {"content": piece}, None))
-            stream.event(chunk(index, {}, _finish_reason(generation)))
+                if scorer is not None:
+                    waiting += await scorer.take(generation.tokens)
+                text = shaper.piece(piece)
+                if text:
+                    send({"content": text})
+            if scorer is not None:
+                waiting += await scorer.take(generation.tokens)
+            rest, calls = shaper.finish(generation.text, self._call_id(index))
+            if calls:
+                send({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
+            elif rest:
+                send({"content": rest})
+            send({}, _finish_reason(generation, calls))
 
         for index in range(len(self.generations)):
-            stream.event(chunk(index, {"role": "assistant", "content": ""}, None))
-        await asyncio.gather(*(pump(i, g) for i, g in enumerate(self.generations)))
+            stream.event(chunk(index, {"role": "assistant", "content": ""}, None, []))
+        by_choice = scorers or [None] * len(self.generations)
+        await asyncio.gather(
+            *(
+                pump(i, g, s)
+                for i, (g, s) in enumerate(zip(self.generations, by_choice, strict=True))
+            )
+        )
         if include_usage:
             stream.event(
                 {**self._head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
@@ -148,7 +198,16 @@ class _Reply:
         stream.write("data: [DONE]\n\n")
 
     def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.ident, "object": kind, "created": self.created, "model": self.name}
+        return {
+            "id": f"chatcmpl-{self.instance}",
+            "object": kind,
+            "created": self.created,
+            "model": self.model.name,
+        }
+
+    def _call_id(self, index: int) -> str:
+        """Unique across instances and, by the creation time, across engine restarts."""
+        return f"call_{self.created:x}{self.instance}_{index}"
 
     def usage(self) -> dict[str, int]:
         completion = sum(len(g.tokens) for g in self.generations)
@@ -159,8 +218,10 @@ class _Reply:
         }
 
 
-def _finish_reason(generation: Any) -> str:
-    return "length" if generation.stop_reason == "length" else "stop"
+def _finish_reason(generation: Any, calls: list[Any]) -> str:
+    if generation.stop_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def _model_card(name: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inferlet import Context, HostError, Sampler
+from inferlet import Context, Grammar, HostError, Sampler
 from inferlet.serving import HttpError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -20,7 +20,8 @@ MAX_CHOICES = 16
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
-    "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "tools",
+    "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
@@ -67,9 +68,11 @@ class Params:
         self.n = n
         self.format_field = "response_format"
         self.logit_bias = logit_bias or []
+        """(run-length mask, value) pairs: OpenAI's `logit_bias`, one pair per distinct value."""
         self.penalties = (0.0, 0.0)
         """`presence_penalty` and `frequency_penalty`, applied by the engine at every step."""
-        """(run-length mask, value) pairs: OpenAI's `logit_bias`, one pair per distinct value."""
+        self.grammar: Grammar | None = None
+        """The reply's grammar when tools are offered (it replaces `schema`)."""
 
     @classmethod
     def of(
@@ -100,10 +103,6 @@ class Params:
         params.format_field = "text.format" if "text" in body else "response_format"
         return params
 
-    def stream_checks(self, body: dict[str, Any]) -> None:
-        if body.get("stream") and body.get("logprobs"):
-            raise HttpError(400, "logprobs: returned whole, not with stream")
-
     async def choices(self, ctx: Context, body: dict[str, Any]) -> list[Any]:
         """One generation per choice. With n > 1 the prompt is prefilled once and each choice
         is a branch forked off it (sharing its KV pages), drawing with `seed + index`."""
@@ -119,7 +118,8 @@ class Params:
                 max_tokens=self.max_tokens,
                 stop_strings=self.stop,
                 stop_tokens=[] if self.ignore_eos else None,
-                schema=self.schema,
+                schema=None if self.grammar else self.schema,
+                grammar=self.grammar,
                 logit_bias=self.logit_bias,
                 presence_penalty=self.penalties[0],
                 frequency_penalty=self.penalties[1],
@@ -222,17 +222,18 @@ def _stops(stop: Any) -> list[str]:
 def chat_messages(messages: Any, field: str = "messages") -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, f"{field}: a non-empty list of messages")
-    return [_message(m, f"{field}[{i}]") for i, m in enumerate(messages)]
+    return [message(m, f"{field}[{i}]") for i, m in enumerate(messages)]
 
 
-def _message(message: Any, where: str) -> dict[str, str]:
-    if not isinstance(message, dict):
+def message(given: Any, where: str) -> dict[str, str]:
+    """One message with a role the chat template knows and text content."""
+    if not isinstance(given, dict):
         raise HttpError(400, f"{where}: a message is an object with role and content")
-    given = message.get("role")
-    role = ROLES.get(given) if isinstance(given, str) else None
+    named = given.get("role")
+    role = ROLES.get(named) if isinstance(named, str) else None
     if role is None:
         raise HttpError(400, f"{where}.role: one of {', '.join(ROLES)}")
-    return {"role": role, "content": text_of(message.get("content"), f"{where}.content")}
+    return {"role": role, "content": text_of(given.get("content"), f"{where}.content")}
 
 
 def prompt_tokens(model: Any, messages: list[dict[str, str]], field: str) -> list[int]:
