@@ -200,7 +200,13 @@ def _bench_decoding_parser(suites: Commands) -> None:
     decoding.add_argument("--repeats", type=int, default=3)
     decoding.add_argument("--draft-tokens", type=int, default=4, help="lookup: drafted per pass")
     decoding.add_argument("--n", type=int, default=8, help="best-of-n: branches")
-    families = ["structured", "lookup", "best-of-n"]
+    decoding.add_argument(
+        "--long-tokens", type=int, default=4000, help="window: tokens of the long generation"
+    )
+    decoding.add_argument(
+        "--window-tokens", type=int, default=256, help="window: tokens the window keeps"
+    )
+    families = ["structured", "lookup", "best-of-n", "window"]
     decoding.add_argument("--families", nargs="+", choices=families, default=families)
     add_engine_options(decoding)
 

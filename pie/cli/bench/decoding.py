@@ -3,7 +3,11 @@ model, each against its plain counterpart, interleaved in one run. `structured`:
 held to a JSON schema by the grammar engine against the same generation unconstrained.
 `lookup`: speculative decoding with prompt-lookup (and Jacobi) drafts against plain greedy
 generation, on an answer that quotes its prompt. `best-of-n`: n branches forked off one
-prefilled prompt against n separate prompts (time and peak KV pages)."""
+prefilled prompt against n separate prompts (time and peak KV pages). `window`: a long generation
+with attention sinks and a sliding window against the same generation with full attention (time
+and peak KV pages), and what the window costs in prediction: the mean log-probability of the
+next token over a page of prose read through the window, with and without sinks, against full
+attention."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from pie.engine import Engine, open_engine
 STRUCTURED_OUTPUT = SDK / "examples" / "structured-output"
 SPECULATIVE = SDK / "examples" / "speculative-decoding"
 BEST_OF_N = SDK / "examples" / "best-of-n"
+ATTENTION_WINDOW = SDK / "examples" / "attention-window"
+PROSE = SDK.parent / "docs" / "architecture.md"
 LONG_PROMPT = "Summarise this in one sentence: " + " ".join(
     ["the tide comes in over the flats and goes out again by the old harbour wall"] * 24
 )
@@ -177,6 +183,44 @@ async def _best_of_n(engine: Engine, program: str, args: argparse.Namespace) -> 
     }
 
 
+async def _window(engine: Engine, program: str, args: argparse.Namespace) -> dict[str, Any]:
+    base = {"prompt": LONG_PROMPT[:200], "max_tokens": args.long_tokens, "seed": 5}
+    windowed = {**base, "window_tokens": args.window_tokens, "sink_tokens": 4}
+    modes = {"window": windowed, "full": {**base, "window": False}}
+    await _peak_pages(engine, program, {**base, "max_tokens": 2})  # warm-up
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    pages: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for mode, request in modes.items():
+            wall, pages[mode] = await _peak_pages(engine, program, request)
+            seconds[mode].append(wall)
+    text = PROSE.read_text()[:4000]
+    reading = {
+        "full": {"window": False},
+        "sinks": {"window_tokens": args.window_tokens // 2, "sink_tokens": 4},
+        "no sinks": {"window_tokens": args.window_tokens // 2, "sink_tokens": 0},
+    }
+    logprob = {}
+    for mode, extra in reading.items():
+        request = {"mode": "score", "text": text, **extra}
+        outcome = await engine.run_inferlet(program, json.dumps(request))
+        if not outcome.ok or outcome.result is None:
+            raise RuntimeError(f"the benchmark inferlet failed: {outcome.error}")
+        logprob[mode] = json.loads(outcome.result)["mean_logprob"]
+    ratios = [f / w for w, f in zip(seconds["window"], seconds["full"], strict=True)]
+    return {
+        "tokens": args.long_tokens,
+        "window_tokens": args.window_tokens,
+        "seconds": {m: statistics.median(v) for m, v in seconds.items()},
+        "peak_pages": pages,
+        "full_over_window_median": statistics.median(ratios),
+        "full_over_window_range": [min(ratios), max(ratios)],
+        "reading_tokens": len(engine.tokenizer.encode(text)),
+        "reading_window_tokens": args.window_tokens // 2,
+        "mean_logprob": logprob,
+    }
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pie.cli.options import engine_config
 
@@ -184,6 +228,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     structured = cached_component(STRUCTURED_OUTPUT)
     speculative = cached_component(SPECULATIVE)
     best = cached_component(BEST_OF_N)
+    window = cached_component(ATTENTION_WINDOW)
 
     async def main() -> dict[str, Any]:
         figures: dict[str, Any] = {}
@@ -194,6 +239,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if "lookup" in args.families:
                 program = engine.programs.add(speculative, name="speculative-decoding").hash
                 figures["lookup"] = await _lookup(engine, program, args)
+            if "window" in args.families:
+                program = engine.programs.add(window, name="attention-window").hash
+                figures["window"] = await _window(engine, program, args)
         if "best-of-n" in args.families:
             # Without the prefix cache, so that separate prompts cannot share pages either.
             plain = with_overrides(config, kv={"prefix_cache": "off"})
@@ -216,7 +264,31 @@ def run_bench_decoding(args: argparse.Namespace) -> int:
         _print_lookup(figures["lookup"], args)
     if "best-of-n" in figures:
         _print_best_of_n(figures["best-of-n"], args)
+    if "window" in figures:
+        _print_window(figures["window"], args)
     return 0
+
+
+def _print_window(row: dict[str, Any], args: argparse.Namespace) -> None:
+    low, high = row["full_over_window_range"]
+    print(
+        f"attention window: {row['tokens']} sampled tokens, a window of {row['window_tokens']}"
+        f" tokens plus 4 sink tokens, {args.repeats} interleaved repeats (medians)"
+    )
+    for mode in ("window", "full"):
+        seconds = row["seconds"][mode]
+        print(
+            f"  {mode:<7}{seconds:>8.1f} s  {row['tokens'] / seconds:>6.1f} tokens/s"
+            f"  peak {row['peak_pages'][mode]} KV pages"
+        )
+    print(f"  full / window time: {row['full_over_window_median']:.2f}x ({low:.2f}-{high:.2f})")
+    logprob = row["mean_logprob"]
+    print(
+        f"  reading {row['reading_tokens']} tokens of prose a page per pass, window"
+        f" {row['reading_window_tokens']} tokens: mean next-token logprob full"
+        f" {logprob['full']:.3f}, with sinks {logprob['sinks']:.3f},"
+        f" without sinks {logprob['no sinks']:.3f}"
+    )
 
 
 def _print_best_of_n(row: dict[str, Any], args: argparse.Namespace) -> None:
