@@ -162,16 +162,24 @@ async def _peak_pages(engine: Engine, program: str, request: dict[str, Any]) -> 
     return wall, pages
 
 
+async def _interleaved(
+    engine: Engine, program: str, modes: dict[str, dict[str, Any]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each mode's wall times over `repeats` interleaved rounds, and its peak KV pages."""
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    pages: dict[str, int] = {}
+    for _ in range(repeats):
+        for mode, request in modes.items():
+            wall, pages[mode] = await _peak_pages(engine, program, request)
+            seconds[mode].append(wall)
+    return seconds, pages
+
+
 async def _best_of_n(engine: Engine, program: str, args: argparse.Namespace) -> dict[str, Any]:
     base = {"prompt": LONG_PROMPT, "n": args.n, "max_tokens": args.tokens, "seed": 1}
     modes = {"forked": base, "separate": {**base, "separate": True}}
     await _peak_pages(engine, program, {**base, "max_tokens": 2})  # warm-up
-    seconds: dict[str, list[float]] = {m: [] for m in modes}
-    pages: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for mode, request in modes.items():
-            wall, pages[mode] = await _peak_pages(engine, program, request)
-            seconds[mode].append(wall)
+    seconds, pages = await _interleaved(engine, program, modes, args.repeats)
     ratios = [s / f for f, s in zip(seconds["forked"], seconds["separate"], strict=True)]
     return {
         "n": args.n,
@@ -188,12 +196,7 @@ async def _window(engine: Engine, program: str, args: argparse.Namespace) -> dic
     windowed = {**base, "window_tokens": args.window_tokens, "sink_tokens": 4}
     modes = {"window": windowed, "full": {**base, "window": False}}
     await _peak_pages(engine, program, {**base, "max_tokens": 2})  # warm-up
-    seconds: dict[str, list[float]] = {m: [] for m in modes}
-    pages: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for mode, request in modes.items():
-            wall, pages[mode] = await _peak_pages(engine, program, request)
-            seconds[mode].append(wall)
+    seconds, pages = await _interleaved(engine, program, modes, args.repeats)
     text = PROSE.read_text()[:4000]
     reading = {
         "full": {"window": False},
