@@ -40,7 +40,8 @@ def leaving(chain: Chain, window: AttentionWindow, page_size: int) -> list[int]:
     """The held pages a pass placed now would leave out of the window: after the sinks and
     before the last `window_pages`, counting the page the pass starts writing in."""
     writing = len(chain.tokens) // page_size
-    first_kept = writing - window.window_pages + 1
+    # Pages whose KV is not written (and committed) yet are never released.
+    first_kept = min(writing - window.window_pages + 1, chain.written // page_size)
     return [j for j in range(window.sink_pages, first_kept) if chain.pages[j] != RELEASED]
 
 
