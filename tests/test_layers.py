@@ -172,3 +172,9 @@ def test_the_command_line_parser_loads_no_command() -> None:
         "pie.cli.options",
         "pie.cli.parser",
     }
+
+
+def test_an_engine_loads_the_mcp_and_model_conversion_stacks_only_when_used() -> None:
+    loaded = _loaded_after("import pie.engine, pie.drivers.factory, pie.server")
+    optional = {m.split(".")[0] for m in loaded} & {"mcp", "mcp_types", "transformers"}
+    assert optional == set()

@@ -19,6 +19,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model directory, .gguf file, or smollm2-135m")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--weights", choices=["auto", "int8"], help="int8: linear weights kept in int8 (CPU)"
+    )
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +33,17 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The config file named by --config (or the defaults) with --model, --dtype and --device."""
+    """The config file named by --config (or the defaults) with --model, --dtype, --device and
+    --weights."""
     from pie.config import load_config, with_overrides
 
     config = load_config(args.config)
     return with_overrides(
-        config, model={"path": args.model, "dtype": args.dtype, "device": args.device}
+        config,
+        model={
+            "path": args.model,
+            "dtype": args.dtype,
+            "device": args.device,
+            "weights": getattr(args, "weights", None),
+        },
     )

@@ -34,6 +34,7 @@ def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
 def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tokenizer]:
     threads = set_threads(config.driver)
     loaded = load_model(config.model.path, choice.dtype, choice.device)
+    weights = _quantize(loaded.model, config.model.weights, choice.device)
     kv = config.kv
     num_pages = kv.num_pages or TorchDriver.pages_for_budget(
         loaded.config,
@@ -51,7 +52,7 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         model_name=loaded.name,
     )
     if choice.driver == "torch":
-        how = f"{threads} CPU thread{'s' if threads > 1 else ''}"
+        how = f"{weights}{threads} CPU thread{'s' if threads > 1 else ''}"
         _announce(loaded.name, choice, how, num_pages, kv.page_size)
         return TorchDriver(loaded.model, loaded.config, **common), loaded.tokenizer
     from pie.drivers.cuda_driver import CudaDriver
@@ -64,6 +65,18 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         loaded.model, loaded.config, kernels=kernels, graph_batch_sizes=graphs, **common
     )
     return driver, loaded.tokenizer
+
+
+def _quantize(model: Any, weights: str, device: str) -> str:
+    """Applies `[model] weights`; what to say about it at start ("" for the model's dtype)."""
+    if weights == "auto":
+        return ""
+    if device != "cpu":
+        raise ValueError(f"[model] weights = {weights!r} runs on the CPU only, not {device}")
+    from pie.drivers.quantize import quantize_int8
+
+    quantize_int8(model)
+    return "int8 weights, "
 
 
 def _announce(name: str, choice: DriverChoice, how: str, num_pages: int, page_size: int) -> None:

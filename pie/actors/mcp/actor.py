@@ -5,12 +5,11 @@ on these: the requester's program waits on its own pollable."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from attrs import define, frozen
 
-from pie.actors.mcp.link import ServerLink
 from pie.actors.mcp.results import McpFailure, called_event, parse_arguments, tool_event
 from pie.actors.runtime import Actor, Router
 from pie.config import McpConfig
@@ -23,6 +22,9 @@ from pie.events.mcp import (
     McpToolCalled,
     McpToolList,
 )
+
+if TYPE_CHECKING:
+    from pie.actors.mcp.link import ServerLink
 
 
 @frozen(kw_only=True)
@@ -63,14 +65,19 @@ class McpActor(Actor):
     def __init__(self, config: McpConfig, router: Router, address: str = "mcp") -> None:
         super().__init__(address, router)
         self.config = config
-        self.links = {
-            server.name: ServerLink(
-                server,
-                connect_seconds=config.connect_seconds,
-                retry_seconds=config.retry_seconds,
-            )
-            for server in config.servers
-        }
+        self.links: dict[str, ServerLink] = {}
+        if config.servers:
+            # The MCP client stack takes a second to import: only an engine with servers loads it.
+            from pie.actors.mcp.link import ServerLink
+
+            self.links = {
+                server.name: ServerLink(
+                    server,
+                    connect_seconds=config.connect_seconds,
+                    retry_seconds=config.retry_seconds,
+                )
+                for server in config.servers
+            }
         self._counts = {name: _Counts() for name in self.links}
         self._total = _Counts()
         self._running = 0

@@ -5,11 +5,12 @@ checked. Pure functions; failures are `McpFailure`s with the kind the inferlet s
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import mcp_types
+from typing import TYPE_CHECKING, Any
 
 from pie.events.mcp import McpTool, McpToolCalled
+
+if TYPE_CHECKING:
+    import mcp_types
 
 
 class McpFailure(Exception):
@@ -68,6 +69,8 @@ def called_event(corr: int, result: mcp_types.CallToolResult, max_bytes: int) ->
 
 def render(block: mcp_types.ContentBlock) -> str:
     """One content block as text: text as is, anything else named in brackets."""
+    import mcp_types  # loaded already by the link that fetched the block
+
     match block:
         case mcp_types.TextContent():
             return block.text
