@@ -17,7 +17,7 @@ from pie.config import with_overrides
 from pie.drivers.factory import build_torch_driver
 from pie.drivers.loader import load_model
 from pie.drivers.models.layers import FusedLinear
-from pie.drivers.quantize import Int8FusedLinear, Int8Linear, quantize_int8
+from pie.drivers.quantize import CALIBRATION, Int8FusedLinear, Int8Linear, quantize_int8
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
 from tests.model_fixtures import default_model_dir, real  # noqa: F401  (fixtures)
@@ -71,6 +71,20 @@ def test_a_zero_row_or_input_gives_zeros_not_nans() -> None:
 
 
 @pytest.mark.unit
+def test_smoothing_takes_the_outlier_channels_error_away() -> None:
+    """A few input channels a hundred times larger than the rest make one scale per row of
+    activations too coarse for the others; smoothing from their observed range fixes it."""
+    torch.manual_seed(4)
+    layer = nn.Linear(256, 64, bias=False)
+    x = torch.randn(16, 256)
+    x[:, :4] *= 100.0
+    plain = _relative(Int8Linear(layer)(x), layer(x))
+    smoothing = (x.abs().amax(0) ** 0.5) / (layer.weight.detach().abs().amax(0) ** 0.5)
+    smoothed = _relative(Int8Linear(layer, smoothing)(x), layer(x))
+    assert smoothed < plain / 2 and smoothed < INT8_TOLERANCE
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(TINY_CASES))
 def test_every_architecture_in_int8_stays_near_the_float32_reference(
     tmp_path: Path, name: str
@@ -78,8 +92,10 @@ def test_every_architecture_in_int8_stays_near_the_float32_reference(
     reference = save_tiny_model(tmp_path, TINY_CASES[name])
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     linears = sum(isinstance(m, nn.Linear) for m in loaded.model.modules())
-    assert quantize_int8(loaded.model) == linears
-    assert not any(isinstance(m, nn.Linear) for m in loaded.model.modules())
+    calibration = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(2))
+    assert quantize_int8(loaded.model, calibration.tolist()) == linears - 1
+    left = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
+    assert left == ["lm_head"]
     ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         hidden = loaded.model(ids, torch.arange(48), DenseCausalAttention())
@@ -94,53 +110,35 @@ def test_int8_weights_are_refused_off_the_cpu() -> None:
     from pie.drivers.factory import _quantize
 
     with pytest.raises(ValueError, match="CPU only"):
-        _quantize(nn.Linear(2, 2), "int8", "cuda")
-
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is in one sentence.",
-    "List three primary colours.",
-]
+        _quantize(None, "int8", "cuda")
 
 
 @pytest.mark.model
-async def test_greedy_tokens_in_int8_mostly_agree_with_float32(
+async def test_the_real_model_in_int8_mostly_predicts_what_float32_does(
     real: Any,  # noqa: F811
+    default_model_dir: Path,  # noqa: F811
 ) -> None:
-    """The agreement rate is printed; greedy decoding diverges for good at the first token that
-    differs, so it is counted up to there."""
-    config, driver, tokenizer = real
+    """Teacher-forced over 300 tokens of prose, the share of positions whose likeliest next
+    token is the same in int8 and float32 (printed), and the engine serving the int8 model."""
+    config, _, tokenizer = real
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    ids = torch.tensor(tokenizer.encode(text[:1500])[:300])
+    fp32 = load_model(str(default_model_dir), torch.float32, "cpu").model
+    int8 = load_model(str(default_model_dir), torch.float32, "cpu").model
+    quantize_int8(int8, tokenizer.encode(CALIBRATION))
+    with torch.inference_mode():
+        want, got = (
+            m.compute_logits(m(ids, torch.arange(len(ids)), DenseCausalAttention()))
+            for m in (fp32, int8)
+        )
+    agreement = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    print(f"int8 next-token argmax agreeing with float32: {agreement:.3f} over {len(ids)} tokens")
+    assert agreement > 0.8
+    assert _relative(got, want) < 0.1
     int8_config = with_overrides(config, model={"weights": "int8"})
-    int8_driver, _ = build_torch_driver(int8_config)
-    outputs: dict[str, list[list[int]]] = {}
-    for label, cfg, drv in (("fp32", config, driver), ("int8", int8_config, int8_driver)):
-        async with open_engine(cfg, driver=drv, tokenizer=tokenizer) as engine:
-            async with engine.requester() as req:
-                outputs[label] = [
-                    list(
-                        (
-                            await generate(
-                                req, prompt_ids(tokenizer, p), max_tokens=24, sampler=Argmax()
-                            )
-                        ).tokens
-                    )
-                    for p in PROMPTS
-                ]
-    agreed = [
-        _common_prefix(a, b) / max(len(a), 1)
-        for a, b in zip(outputs["fp32"], outputs["int8"], strict=True)
-    ]
-    print(f"int8 greedy tokens agreeing with float32 (prefix share per prompt): {agreed}")
-    assert sum(agreed) / len(agreed) >= 0.5
-    assert all(a[:2] == b[:2] for a, b in zip(outputs["fp32"], outputs["int8"], strict=True))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    driver, _ = build_torch_driver(int8_config)
+    async with open_engine(int8_config, driver=driver, tokenizer=tokenizer) as engine:
+        async with engine.requester() as req:
+            prompt = prompt_ids(tokenizer, "What is the capital of France?")
+            out = await generate(req, prompt, max_tokens=8, sampler=Argmax())
+    assert "Paris" in tokenizer.decode(list(out.tokens))

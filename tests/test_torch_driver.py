@@ -330,3 +330,17 @@ def test_pages_for_budget_uses_the_model_shape() -> None:
         CONFIG, budget_bytes=100 * per_page + 5, page_size=PAGE, dtype=torch.bfloat16
     )
     assert pages == 100
+
+
+def test_garbage_in_pages_no_pass_has_used_never_reaches_the_logits(model: TinyLM) -> None:
+    """The CPU pool is not zeroed at start: whatever its memory held (NaN here) must not leak
+    into a batch whose padded attention reads the unwritten slots of its pages."""
+    clean, dirty = make_driver(model), make_driver(model)
+    dirty.cache.kv.fill_(float("nan"))
+    warm, step = batch_requests([RawLogits()])
+    for driver in (clean, dirty):
+        driver.forward(ForwardBatch.from_requests(warm))
+    want = clean.forward(ForwardBatch.from_requests(step))
+    got = dirty.forward(ForwardBatch.from_requests(step))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(logits_of(a), logits_of(b), atol=0.0, rtol=0.0)

@@ -22,8 +22,9 @@ class ModelConfig:
     device: str = field(default="auto", validator=choice("auto", "cpu", "cuda"))
     weights: str = field(default="auto", validator=choice("auto", "int8"))
     """How linear weights are held: auto keeps them in `dtype`; int8 (CPU only) keeps each
-    linear layer, the output head included, as int8 rows with one scale per row and multiplies
-    in int8 (a quarter of float32's bytes per step; outputs close to, not equal to, float32)."""
+    decoder linear layer as int8 rows with one scale per row, smoothed from a calibration pass,
+    and multiplies in int8 (a quarter of float32's bytes; outputs close to, not equal to,
+    float32's). The output head stays in `dtype`."""
 
 
 @frozen(kw_only=True)

@@ -34,7 +34,7 @@ def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
 def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tokenizer]:
     threads = set_threads(config.driver)
     loaded = load_model(config.model.path, choice.dtype, choice.device)
-    weights = _quantize(loaded.model, config.model.weights, choice.device)
+    weights = _quantize(loaded, config.model.weights, choice.device)
     kv = config.kv
     num_pages = kv.num_pages or TorchDriver.pages_for_budget(
         loaded.config,
@@ -67,15 +67,15 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     return driver, loaded.tokenizer
 
 
-def _quantize(model: Any, weights: str, device: str) -> str:
+def _quantize(loaded: Any, weights: str, device: str) -> str:
     """Applies `[model] weights`; what to say about it at start ("" for the model's dtype)."""
     if weights == "auto":
         return ""
     if device != "cpu":
         raise ValueError(f"[model] weights = {weights!r} runs on the CPU only, not {device}")
-    from pie.drivers.quantize import quantize_int8
+    from pie.drivers.quantize import CALIBRATION, quantize_int8
 
-    quantize_int8(model)
+    quantize_int8(loaded.model, loaded.tokenizer.encode(CALIBRATION))
     return "int8 weights, "
 
 

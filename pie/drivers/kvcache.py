@@ -3,6 +3,8 @@ arithmetic that turns (page, offset) slots into rows of a layer's flat K and V v
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from attrs import frozen
 
@@ -41,16 +43,45 @@ class PagedKvCache:
     contiguous [num_pages, 2, page_size, heads, dim] tensor, the flashinfer NHD layout, so a
     layer can be handed to a paged kernel as is. Flattened to rows, the K of slot (page p,
     offset o) is row p * 2 * page_size + o and its V is page_size rows further on.
+
+    With `zero_on_first_use` the pool is allocated without being written, so the memory a page
+    takes becomes resident only once a pass uses it, and `prepare` zeroes each page the first
+    time a pass names it, so that a page's unwritten slots hold zeros, as in a pool zeroed at
+    once, and never whatever the memory held before (a NaN there would survive a zero
+    attention weight). Otherwise the whole pool is zeroed at once.
     """
 
-    def __init__(self, shape: KvCacheShape, num_pages: int, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        shape: KvCacheShape,
+        num_pages: int,
+        device: str | torch.device,
+        *,
+        zero_on_first_use: bool = False,
+    ) -> None:
         self.shape = shape
         self.num_pages = num_pages
-        self.kv = torch.zeros(
+        make = torch.empty if zero_on_first_use else torch.zeros
+        self.kv = make(
             (shape.num_layers, num_pages, 2, shape.page_size, shape.num_kv_heads, shape.head_dim),
             dtype=shape.dtype,
             device=device,
         )
+        self._unused = bytearray(b"\x01" * num_pages) if zero_on_first_use else None
+        self._used = 0
+
+    def prepare(self, pages: Iterable[int]) -> None:
+        """Zeroes, in every layer, the pages among `pages` that no pass has used yet."""
+        unused = self._unused
+        if unused is None or self._used == self.num_pages:
+            return
+        fresh = [page for page in set(pages) if unused[page]]
+        if not fresh:
+            return
+        self.kv.index_fill_(1, torch.tensor(fresh, device=self.kv.device), 0)
+        for page in fresh:
+            unused[page] = 0
+        self._used += len(fresh)
 
     @property
     def page_size(self) -> int:

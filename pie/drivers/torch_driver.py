@@ -192,7 +192,8 @@ class TorchDriver:
         self._stats = DriverStatistics(passes=0, tokens=0, last_pass_seconds=0.0, total_seconds=0.0)
 
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
-        return PagedKvCache(shape, num_pages, device)
+        # On the CPU the pool stays unwritten (not resident) until passes use its pages.
+        return PagedKvCache(shape, num_pages, device, zero_on_first_use=device == "cpu")
 
     @staticmethod
     def pages_for_budget(
@@ -220,6 +221,7 @@ class TorchDriver:
 
     def _run(self, batch: ForwardBatch) -> list[SlotOutput]:
         validate_batch(batch, self.info)
+        self.cache.prepare(batch.kv_page_indices)
         prepared = self._prepare(batch)
         allowed = self._allowed_tokens(batch)
         bias = self._slot_bias(batch)
