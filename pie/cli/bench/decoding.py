@@ -132,11 +132,20 @@ async def _lookup(engine: Engine, program: str, args: argparse.Namespace) -> dic
     return row
 
 
+async def settled(engine: Engine, seconds: float = 10.0) -> None:
+    """Waits until no context and no lease holds pages (an ended program's last lease is given
+    back once its pass in flight ends)."""
+    with trio.move_on_after(seconds):
+        while (kv := engine.statistics().kv).contexts or kv.leases:
+            await trio.sleep(0.005)
+
+
 async def run_watching_pages(
     engine: Engine, program: str, request: dict[str, Any]
 ) -> tuple[Any, float, int]:
     """A run's outcome, its wall time, and the most KV pages in use while it ran (polled from
-    the kv actor's statistics)."""
+    the kv actor's statistics), once what earlier runs held is back in the pool."""
+    await settled(engine)
     stats = engine.statistics().kv
     lowest = stats.pages_free
 
@@ -163,15 +172,26 @@ async def _peak_pages(engine: Engine, program: str, request: dict[str, Any]) -> 
 
 
 async def _interleaved(
-    engine: Engine, program: str, modes: dict[str, dict[str, Any]], repeats: int
+    engine: Engine,
+    program: str,
+    modes: dict[str, dict[str, Any]],
+    repeats: int,
+    *,
+    reseed: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """Each mode's wall times over `repeats` interleaved rounds, and its peak KV pages."""
+    """Each mode's wall times over `repeats` interleaved rounds, and its peak KV pages (the
+    most over the rounds). With `reseed`, round r draws with seed + r, so that no round writes
+    pages an earlier one committed (they would be shared, and counted twice while a lease
+    still pins the copy the round wrote)."""
     seconds: dict[str, list[float]] = {m: [] for m in modes}
-    pages: dict[str, int] = {}
-    for _ in range(repeats):
+    pages: dict[str, int] = {m: 0 for m in modes}
+    for round_ in range(repeats):
         for mode, request in modes.items():
-            wall, pages[mode] = await _peak_pages(engine, program, request)
+            if reseed:
+                request = {**request, "seed": request["seed"] + round_}
+            wall, peak = await _peak_pages(engine, program, request)
             seconds[mode].append(wall)
+            pages[mode] = max(pages[mode], peak)
     return seconds, pages
 
 
@@ -196,7 +216,7 @@ async def _window(engine: Engine, program: str, args: argparse.Namespace) -> dic
     windowed = {**base, "window_tokens": args.window_tokens, "sink_tokens": 4}
     modes = {"window": windowed, "full": {**base, "window": False}}
     await _peak_pages(engine, program, {**base, "max_tokens": 2})  # warm-up
-    seconds, pages = await _interleaved(engine, program, modes, args.repeats)
+    seconds, pages = await _interleaved(engine, program, modes, args.repeats, reseed=True)
     text = PROSE.read_text()[:4000]
     reading = {
         "full": {"window": False},
