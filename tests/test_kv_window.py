@@ -204,3 +204,16 @@ def test_a_churn_with_releases_and_windows_returns_every_page(seed: int) -> None
     for name in saved:
         kv.send(ev.DeleteSnapshot, name=name)
     assert kv.pool.free == 24
+
+
+def test_only_the_owner_may_release_and_the_owner_is_served_after() -> None:
+    kv = Kv()
+    context = kv.create("a")
+    kv.write(context, range(1, 14))
+    failed = kv.refused(ev.ReleasePages, "b", context=context, pages=(0,))
+    assert failed.kind == "not_owner" and kv.pool.free == 32 - 4
+    [(_, failed)] = kv.send(ev.SubmitForward, "b", context=context, tokens=(1,), window=WINDOW)
+    assert isinstance(failed, ev.RequestFailed) and failed.kind == "not_owner"
+    assert kv.describe(context).released_pages == ()
+    kv.ok(ev.ReleasePages, context=context, pages=(0, 1))
+    assert kv.pool.free == 32 - 2
