@@ -65,6 +65,11 @@ async def in_thread(fn: Callable[[], Any]) -> Any:
     return await trio.to_thread.run_sync(fn)
 
 
+async def chat(client: openai.OpenAI, **request: Any) -> Any:
+    """One Chat Completions call, made from a worker thread (the client blocks)."""
+    return await in_thread(lambda: client.chat.completions.create(**request))
+
+
 async def test_completions_equal_the_engines_decode_whole_and_streamed(
     real: Any, server_wasm: bytes
 ) -> None:
@@ -493,18 +498,17 @@ async def test_required_tool_choice_calls_a_tool_with_arguments_that_fit_its_sch
     async with openai_endpoint(real, server_wasm) as (engine, url):
         client = client_for(url)
         with trio.fail_after(600):
-            reply = await in_thread(
-                lambda: client.chat.completions.create(
-                    model=engine.info.model_name,
-                    messages=WEATHER_QUESTION,
-                    tools=TOOLS,
-                    tool_choice="required",
-                    parallel_tool_calls=False,
-                    max_tokens=CALL_TOKENS,
-                    temperature=1.0,
-                    seed=3,
-                    n=3,
-                )
+            reply = await chat(
+                client,
+                model=engine.info.model_name,
+                messages=WEATHER_QUESTION,
+                tools=TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=CALL_TOKENS,
+                temperature=1.0,
+                seed=3,
+                n=3,
             )
     assert len(reply.choices) == 3
     for choice in reply.choices:
@@ -608,15 +612,14 @@ async def test_a_tool_result_is_rendered_as_a_turn_and_answered(
     async with openai_endpoint(real, server_wasm) as (engine, url):
         client = client_for(url)
         with trio.fail_after(600):
-            reply = await in_thread(
-                lambda: client.chat.completions.create(
-                    model=engine.info.model_name,
-                    messages=turns,
-                    tools=TOOLS,
-                    tool_choice="none",
-                    max_tokens=8,
-                    temperature=0,
-                )
+            reply = await chat(
+                client,
+                model=engine.info.model_name,
+                messages=turns,
+                tools=TOOLS,
+                tool_choice="none",
+                max_tokens=8,
+                temperature=0,
             )
     assert reply.choices[0].message.content
     # The call is written as the model writes one, and the result as a user turn.
