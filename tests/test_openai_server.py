@@ -320,21 +320,15 @@ async def test_logit_bias_is_honoured_and_a_bad_one_refused(real: Any, server_wa
     _, _, tokenizer = real
     async with openai_endpoint(real, server_wasm) as (engine, url):
         client = client_for(url)
-        model = engine.info.model_name
-
-        def complete(**extra: Any) -> Any:
-            return client.chat.completions.create(
-                model=model, messages=MESSAGES, max_tokens=4, temperature=0, **extra
-            )
-
+        base = dict(model=engine.info.model_name, messages=MESSAGES, max_tokens=4, temperature=0)
         with trio.fail_after(600):
-            plain = await in_thread(complete)
+            plain = await chat(client, **base)
             first = tokenizer.encode(plain.choices[0].message.content)[0]
             zebra = tokenizer.encode("Zebra")[0]
-            banned = await in_thread(lambda: complete(logit_bias={str(first): -100}))
-            forced = await in_thread(lambda: complete(logit_bias={str(zebra): 100}))
+            banned = await chat(client, **base, logit_bias={str(first): -100})
+            forced = await chat(client, **base, logit_bias={str(zebra): 100})
             with pytest.raises(openai.BadRequestError, match="logit_bias") as error:
-                await in_thread(lambda: complete(logit_bias={"-3": 5}))
+                await chat(client, **base, logit_bias={"-3": 5})
             assert error.value.body["param"] == "logit_bias"
     assert tokenizer.encode(banned.choices[0].message.content)[0] != first
     assert forced.choices[0].message.content.startswith(tokenizer.decode([zebra]))
@@ -424,18 +418,10 @@ async def test_frequency_and_presence_penalties_cut_repetition(
     ]
     async with openai_endpoint(real, server_wasm) as (engine, url):
         client = client_for(url)
-        model = engine.info.model_name
-
-        def complete(**extra: Any) -> Any:
-            return client.chat.completions.create(
-                model=model, messages=prompt, max_tokens=40, temperature=0, **extra
-            )
-
+        base = dict(model=engine.info.model_name, messages=prompt, max_tokens=40, temperature=0)
         with trio.fail_after(600):
-            plain = await in_thread(complete)
-            penalised = await in_thread(
-                lambda: complete(frequency_penalty=1.5, presence_penalty=0.5)
-            )
+            plain = await chat(client, **base)
+            penalised = await chat(client, **base, frequency_penalty=1.5, presence_penalty=0.5)
 
     def repeats(text: str) -> int:
         tokens = tokenizer.encode(text)

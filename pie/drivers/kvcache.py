@@ -3,7 +3,7 @@ arithmetic that turns (page, offset) slots into rows of a layer's flat K and V v
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 from attrs import frozen
@@ -68,12 +68,14 @@ class PagedKvCache:
             device=device,
         )
         self._unused = bytearray(b"\x01" * num_pages) if zero_on_first_use else None
-        self._used = 0
+        self._first_unused = 0 if zero_on_first_use else num_pages
+        """Every page below it has been used (the kv actor hands out the lowest ids first, so
+        a pass's pages are nearly always below it and the check is one `max`)."""
 
-    def prepare(self, pages: Iterable[int]) -> None:
+    def prepare(self, pages: Sequence[int]) -> None:
         """Zeroes, in every layer, the pages among `pages` that no pass has used yet."""
         unused = self._unused
-        if unused is None or self._used == self.num_pages:
+        if unused is None or not pages or max(pages) < self._first_unused:
             return
         fresh = [page for page in set(pages) if unused[page]]
         if not fresh:
@@ -81,7 +83,10 @@ class PagedKvCache:
         self.kv.index_fill_(1, torch.tensor(fresh, device=self.kv.device), 0)
         for page in fresh:
             unused[page] = 0
-        self._used += len(fresh)
+        first = self._first_unused
+        while first < self.num_pages and not unused[first]:
+            first += 1
+        self._first_unused = first
 
     @property
     def page_size(self) -> int:

@@ -6,10 +6,10 @@ model's own distribution, before temperature, top-p and logit_bias, as in vLLM."
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any
 
-from inferlet import Context, Distribution, Probe, TokenScore
+from inferlet import Context, Probe, TokenScore
+from inferlet.search import token_score
 from inferlet.serving import HttpError
 
 MAX_TOP_CHAT = 20
@@ -61,7 +61,7 @@ class Scorer:
         outputs = await fwd.execute()
         self.feed = new[-1:]
         step = 2 if self.top else 1
-        return [_score(t, outputs[i * step : (i + 1) * step]) for i, t in enumerate(new)]
+        return [token_score(t, outputs[i * step : (i + 1) * step]) for i, t in enumerate(new)]
 
     def close(self) -> None:
         self.ctx.destroy()
@@ -81,19 +81,6 @@ async def prompt_scores(model: Any, prompt: list[int], top: int) -> list[TokenSc
             return await scorer.take(prompt[1:])
         finally:
             scorer.close()
-
-
-def _score(token: int, outputs: list[Any]) -> TokenScore:
-    """A token's score from its probes: the log-probability, then the alternatives if asked."""
-    top: list[tuple[int, float]] = []
-    if len(outputs) > 1:
-        dist = outputs[1]
-        assert isinstance(dist, Distribution)
-        top = [
-            (t, math.log(p) if p > 0 else -math.inf)
-            for t, p in zip(dist.tokens, dist.probs, strict=True)
-        ]
-    return TokenScore(token, float(outputs[0][0]), top)
 
 
 def chat_content(model: Any, scores: list[TokenScore]) -> dict[str, Any]:

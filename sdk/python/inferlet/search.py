@@ -14,7 +14,7 @@ from wit_world.imports import forward as fw
 
 from inferlet.context import Context
 from inferlet.forward import run_pass
-from inferlet.sampling import Distribution, Probe, Sampler, slot_result
+from inferlet.sampling import Distribution, Probe, Sampler, SlotResult, slot_result
 
 
 async def token_logprobs(prefix: Context, tokens: list[int]) -> list[float]:
@@ -52,20 +52,23 @@ async def score_tokens(prefix: Context, tokens: list[int], top: int = 0) -> list
     finally:
         probe.destroy()
     step = 2 if top else 1
-    scores = []
-    for i, token in enumerate(tokens):
-        logprob = outputs[i * step]
-        assert isinstance(logprob, list)
-        alternatives: list[tuple[int, float]] = []
-        if top:
-            dist = outputs[i * step + 1]
-            assert isinstance(dist, Distribution)
-            alternatives = [
-                (t, math.log(p) if p > 0 else -math.inf)
-                for t, p in zip(dist.tokens, dist.probs, strict=True)
-            ]
-        scores.append(TokenScore(token, float(logprob[0]), alternatives))
-    return scores
+    return [token_score(t, outputs[i * step : (i + 1) * step]) for i, t in enumerate(tokens)]
+
+
+def token_score(token: int, probes: list[SlotResult]) -> TokenScore:
+    """A token's score from its probes' results: a `logprobs` probe of the token, then, when
+    alternatives were asked for, a `distribution` probe at the same position."""
+    logprob = probes[0]
+    assert isinstance(logprob, list)
+    alternatives: list[tuple[int, float]] = []
+    if len(probes) > 1:
+        dist = probes[1]
+        assert isinstance(dist, Distribution)
+        alternatives = [
+            (t, math.log(p) if p > 0 else -math.inf)
+            for t, p in zip(dist.tokens, dist.probs, strict=True)
+        ]
+    return TokenScore(token, float(logprob[0]), alternatives)
 
 
 @dataclass
