@@ -106,6 +106,7 @@ class Engine:
                 page_size=self.info.page_size,
                 vocab_size=self.info.vocab_size,
                 prefix_cache=config.kv.prefix_cache,
+                sliding_window=self.info.sliding_window,
                 quotas=_quotas(config, self.info.num_pages),
                 outputs=OutputLimits(
                     max_slots=config.scheduler.max_slots_per_pass,
@@ -173,6 +174,7 @@ class Engine:
                 max_batch_tokens=self.policy.max_batch_tokens,
                 max_batch_requests=self.policy.max_batch_requests,
                 prefix_cache=self.config.kv.prefix_cache,
+                sliding_window=self.info.sliding_window,
             )
             self.log.append("engine", "engine", started)
         self.wasm.start()

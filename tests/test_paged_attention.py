@@ -12,6 +12,7 @@ import torch
 from pie.drivers.attention import PagedAttention, rle_rows
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
+from pie.drivers.models.base import PLAIN_ATTENTION, LayerAttention
 from pie.events.forward import ForwardRequest
 from pie.events.sampling import Rle, bools_to_rle, rle_to_bools
 
@@ -66,9 +67,9 @@ def random_masks(rng: random.Random, n: int, kv_len: int) -> tuple[Rle, ...]:
     return tuple(masks)
 
 
-def visible(req: ForwardRequest, t: int) -> list[bool]:
+def visible(req: ForwardRequest, t: int, window: int | None = None) -> list[bool]:
     s = req.kv_len - len(req.tokens) + t
-    seen = [j <= s for j in range(req.kv_len)]
+    seen = [j <= s and (window is None or s - j < window) for j in range(req.kv_len)]
     if req.attention_masks is not None:
         bits = rle_to_bools(req.attention_masks[t], sum(req.attention_masks[t]))
         seen = [ok and j < len(bits) and bits[j] for j, ok in enumerate(seen)]
@@ -81,6 +82,7 @@ def dense_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    spec: LayerAttention = PLAIN_ATTENTION,
 ) -> torch.Tensor:
     """Softmax attention in float64 over explicitly gathered slots; blind tokens give zeros."""
     out = torch.zeros_like(q, dtype=torch.float64)
@@ -95,21 +97,31 @@ def dense_reference(
         vv[req.kv_len - n :] = v[start : start + n].double()
         kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
         for t in range(n):
-            seen = torch.tensor(visible(req, t))
+            seen = torch.tensor(visible(req, t, spec.sliding_window))
             if not seen.any():
                 continue
-            scores = torch.einsum("hd,jhd->hj", q[start + t].double(), kk) / q.shape[-1] ** 0.5
+            scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+            scores = torch.einsum("hd,jhd->hj", q[start + t].double(), kk) * scale
+            if spec.softcap is not None:
+                scores = torch.tanh(scores / spec.softcap) * spec.softcap
             weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
             out[start + t] = torch.einsum("hj,jhd->hd", weights, vv)
         start += n
     return out
 
 
-def run_case(requests: list[ForwardRequest], heads: int, heads_kv: int, dim: int = 8) -> None:
-    cache = make_cache(heads_kv, dim)
+def run_case(
+    requests: list[ForwardRequest],
+    heads: int,
+    heads_kv: int,
+    dim: int = 8,
+    layers: tuple[LayerAttention, ...] = (),
+) -> None:
+    cache = make_cache(heads_kv, dim, layers=max(2, len(layers)))
     batch = ForwardBatch.from_requests(requests)
-    attention = PagedAttention(batch, cache)
-    for layer in range(2):
+    attention = PagedAttention(batch, cache, layers)
+    for layer in range(max(2, len(layers))):
+        spec = layers[layer] if layers else PLAIN_ATTENTION
         before = cache.layer(layer).clone().cpu()
         t = batch.num_tokens
         q, k, v = (
@@ -118,7 +130,7 @@ def run_case(requests: list[ForwardRequest], heads: int, heads_kv: int, dim: int
             torch.randn(t, heads_kv, dim),
         )
         out = attention(layer, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)).cpu()
-        expected = dense_reference(before, requests, q, k, v)
+        expected = dense_reference(before, requests, q, k, v, spec)
         torch.testing.assert_close(out.double(), expected, atol=TOL, rtol=TOL)
         assert_written(cache, layer, before, requests, k, v)
 
@@ -186,6 +198,38 @@ def test_masked_pages_are_invisible(seed: int) -> None:
         make_request(rng, free, 1, 6),
     ]
     run_case(requests, heads=4, heads_kv=2)
+
+
+MODEL_LAYERS = (
+    LayerAttention(sliding_window=5),
+    LayerAttention(softcap=2.0, scale=0.7),
+    LayerAttention(sliding_window=9, softcap=3.0),
+    PLAIN_ATTENTION,
+)
+"""Per-layer options as Gemma and Mistral use them: windows shorter and longer than some
+requests, soft-capped scores (a low cap, so that it bites on these random scores), a scale."""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sliding_windows_softcaps_and_scales_match_dense(seed: int) -> None:
+    rng = random.Random(seed)
+    free = list(range(NUM_PAGES))
+    shapes = [(1, 3), (1, 17), (6, 6), (12, 20), (3, 11), (1, 40)]
+    requests = [make_request(rng, free, n, kv_len) for n, kv_len in shapes]
+    requests.append(make_request(rng, free, 4, 15, masks=random_masks(rng, 4, 15)))
+    requests.append(make_request(rng, free, 1, 21, masked_pages=(3,)))
+    run_case(requests, heads=6, heads_kv=2, layers=MODEL_LAYERS)
+
+
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_windows_on_fresh_prefills_and_decodes_alone(heads: int, heads_kv: int) -> None:
+    """The paths that skip building a mask: one fresh prefill (SDPA's causal flag), and a
+    decode-only batch (query heads folded onto their kv head)."""
+    for shapes in ([(14, 14), (14, 14)], [(1, 30), (1, 8)]):
+        rng = random.Random(0)
+        free = list(range(NUM_PAGES))
+        requests = [make_request(rng, free, n, kv_len) for n, kv_len in shapes]
+        run_case(requests, heads=heads, heads_kv=heads_kv, layers=MODEL_LAYERS)
 
 
 def test_token_that_sees_nothing_outputs_zeros() -> None:

@@ -65,6 +65,7 @@ def run_replay(args: argparse.Namespace) -> int:
         page_size=started.page_size,
         vocab_size=started.vocab_size,
         prefix_cache=started.prefix_cache,
+        sliding_window=started.sliding_window,
     )
     result = replay(envelopes, args.actor, core)
     stats = core.statistics()

@@ -11,6 +11,7 @@ from attrs import frozen
 
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.kvcache import PagedKvCache
+from pie.drivers.models.base import PLAIN_ATTENTION, LayerAttention
 from pie.events.sampling import Rle
 
 
@@ -33,14 +34,23 @@ def rle_rows(masks: Sequence[Rle], width: int) -> torch.Tensor:
 
 
 @frozen
+class _Mask:
+    """What one group's tokens see under one layer kind: mask [B, 1, n, L], or None when all is
+    visible or when `causal` says the plain causal mask of a fresh prefill (kv_len == n) applies;
+    blind [B, 1, n, 1] for tokens that see no slot, or None when there are none."""
+
+    mask: torch.Tensor | None
+    causal: bool
+    blind: torch.Tensor | None
+
+
+@frozen
 class _Group:
     """Requests with the same number of new tokens, attended in one padded call.
 
     tokens: flat token indices [B * n]; k_rows, v_rows: cache rows of every slot [B * L]
-    (padding points at row 0 and is masked); mask: [B, 1, n, L], or None when all is visible
-    or when `causal` says the plain causal mask of a fresh prefill (kv_len == n) applies;
-    blind: [B, 1, n, 1] for tokens that see no slot, or None when there are none;
-    keys, values: gather buffers [B * L, ...]
+    (padding points at row 0 and is masked); masks: the visibility for each sliding window the
+    model's layers use (None: the full causal kind); keys, values: gather buffers [B * L, ...]
     reused by every layer, because a fresh multi-MB tensor per layer costs page faults on the
     CPU (measured: 1.2 ms per decode layer became 5 ms).
     """
@@ -51,9 +61,7 @@ class _Group:
     tokens: torch.Tensor
     k_rows: torch.Tensor
     v_rows: torch.Tensor
-    mask: torch.Tensor | None
-    causal: bool
-    blind: torch.Tensor | None
+    masks: dict[int | None, _Mask]
     keys: torch.Tensor
     values: torch.Tensor
 
@@ -120,15 +128,34 @@ class _GroupBuilder:
             for r in self.requests
         )
 
-    def build(self, device: torch.device) -> tuple[_Group, torch.Tensor, torch.Tensor]:
+    def windowed(self, visible: torch.Tensor, window: int | None) -> torch.Tensor:
+        """visible, further limited to the last `window` slots up to each token's own."""
+        if window is None or self.width <= window:
+            return visible
+        return visible & (self.slot[None, None, :] > self.token_slots()[:, :, None] - window)
+
+    def mask(self, visible: torch.Tensor, causal: bool, device: torch.device) -> _Mask:
+        blind = ~visible.any(-1)
+        return _Mask(
+            mask=None if causal or bool(visible.all()) else visible[:, None].to(device),
+            causal=causal,
+            blind=blind[:, None, :, None].to(device) if bool(blind.any()) else None,
+        )
+
+    def build(
+        self, device: torch.device, windows: set[int | None]
+    ) -> tuple[_Group, torch.Tensor, torch.Tensor]:
         """The group, its flat token indices, and the K rows those tokens are written to."""
         k_rows = self.k_rows()
         visible = self.visible()
         starts = torch.tensor([self.batch.qo_indptr[r] for r in self.requests])
         tokens = (starts[:, None] + torch.arange(self.n)[None, :]).reshape(-1)
         write_rows = k_rows.gather(1, self.token_slots()).reshape(-1)
-        blind = ~visible.any(-1)
         causal = self.plain_causal()
+        masks = {}
+        for window in windows:
+            seen = self.windowed(visible, window)
+            masks[window] = self.mask(seen, causal and seen is visible, device)
         group = _Group(
             batch=len(self.requests),
             new_tokens=self.n,
@@ -136,9 +163,7 @@ class _GroupBuilder:
             tokens=tokens.to(device),
             k_rows=k_rows.reshape(-1).to(device),
             v_rows=(k_rows + self.page_size).reshape(-1).to(device),
-            mask=None if causal or bool(visible.all()) else visible[:, None].to(device),
-            causal=causal,
-            blind=blind[:, None, :, None].to(device) if bool(blind.any()) else None,
+            masks=masks,
             keys=self.gather_buffer(device),
             values=self.gather_buffer(device),
         )
@@ -156,7 +181,8 @@ def _group_requests(batch: ForwardBatch) -> list[list[int]]:
 class PagedAttention:
     """The AttentionFn of one batch: writes each layer's new K/V, then attends over the pages.
 
-    Built once per batch; every layer reuses the same index tensors and masks. GQA: for decode
+    Built once per batch; every layer reuses the same index tensors and masks (one mask per
+    distinct sliding window among `layers`, the model's per-layer options). GQA: for decode
     groups the query heads sharing a KV head become that head's query rows (the [B, 1, 1, L]
     mask broadcasts over them), which on this CPU beat enable_gqa=True 6x in bf16, tied it in
     fp32, and beat repeat_interleave of K/V 2x; multi-token groups use enable_gqa=True, as
@@ -164,14 +190,18 @@ class PagedAttention:
     """
 
     def __init__(
-        self, batch: ForwardBatch, cache: PagedKvCache, *, scale: float | None = None
+        self,
+        batch: ForwardBatch,
+        cache: PagedKvCache,
+        layers: Sequence[LayerAttention] = (),
     ) -> None:
         self.cache = cache
-        self.scale = scale
+        self.layers = tuple(layers)
+        windows = {spec.sliding_window for spec in self.layers} | {None}
         self.groups: list[_Group] = []
         write_rows = torch.zeros(batch.num_tokens, dtype=torch.long)
         for requests in _group_requests(batch):
-            group, tokens, rows = _GroupBuilder(batch, cache, requests).build(cache.device)
+            group, tokens, rows = _GroupBuilder(batch, cache, requests).build(cache.device, windows)
             write_rows[tokens] = rows
             self.groups.append(group)
         self.write_rows = write_rows.to(cache.device)
@@ -181,14 +211,17 @@ class PagedAttention:
     ) -> torch.Tensor:
         self.cache.write(layer, self.write_rows, k, v)
         rows = self.cache.layer_rows(layer)
+        spec = self.layers[layer] if layer < len(self.layers) else PLAIN_ATTENTION
         if len(self.groups) == 1:
-            return self._attend(self.groups[0], q, rows)
+            return self._attend(self.groups[0], q, rows, spec)
         out = torch.empty_like(q)
         for group in self.groups:
-            out.index_copy_(0, group.tokens, self._attend(group, q, rows))
+            out.index_copy_(0, group.tokens, self._attend(group, q, rows, spec))
         return out
 
-    def _attend(self, g: _Group, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, g: _Group, q: torch.Tensor, rows: torch.Tensor, spec: LayerAttention
+    ) -> torch.Tensor:
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = rows.shape[1]
         qg = q.index_select(0, g.tokens).view(g.batch, g.new_tokens, heads, dim).transpose(1, 2)
@@ -199,17 +232,44 @@ class PagedAttention:
         vg = torch.index_select(rows, 0, g.v_rows, out=g.values)
         kg = kg.view(g.batch, g.kv_len, kv_heads, dim).transpose(1, 2)
         vg = vg.view(g.batch, g.kv_len, kv_heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qg.to(rows.dtype),
-            kg,
-            vg,
-            attn_mask=g.mask,
-            is_causal=g.causal,
-            scale=self.scale,
-            enable_gqa=not fold,
-        )
+        seen = g.masks[spec.sliding_window]
+        if spec.softcap is None:
+            out = F.scaled_dot_product_attention(
+                qg.to(rows.dtype),
+                kg,
+                vg,
+                attn_mask=seen.mask,
+                is_causal=seen.causal,
+                scale=spec.scale,
+                enable_gqa=not fold,
+            )
+        else:
+            out = softcapped_attention(qg.to(rows.dtype), kg, vg, seen, spec)
         out = out.reshape(g.batch, heads, g.new_tokens, dim)
-        if g.blind is not None:
+        if seen.blind is not None:
             # Backends differ on rows with nothing visible (NaN or zeros); pin them to zeros.
-            out = out.masked_fill(g.blind, 0.0)
+            out = out.masked_fill(seen.blind, 0.0)
         return out.transpose(1, 2).reshape(-1, heads, dim).to(q.dtype)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: _Mask, spec: LayerAttention
+) -> torch.Tensor:
+    """Softmax attention with scores capped by softcap * tanh(s / softcap), which SDPA lacks.
+    q [B, Hq, n, D] (or decode-folded [B, Hkv, g, D]); k, v [B, Hkv, L, D]."""
+    assert spec.softcap is not None
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if seen.causal:
+        n, length = scores.shape[-2:]
+        seen_mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        scores = scores.masked_fill(~seen_mask, float("-inf"))
+    elif seen.mask is not None:
+        scores = scores.masked_fill(~seen.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -24,6 +24,9 @@ class DriverInfo:
     dtype: str
     threads: int = 1
     """The CPU threads its kernels compute with (torch's intra-op pool for the torch driver)."""
+    sliding_window: int | None = None
+    """Set when every layer of the model attends only to this many most recent kv slots
+    (Mistral): the kv actor then releases the pages that leave the window."""
 
 
 class DriverError(Exception):

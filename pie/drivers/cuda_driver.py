@@ -19,7 +19,7 @@ from pie.drivers.batch import ForwardBatch
 from pie.drivers.cuda_graphs import DecodeGraph, DecodeGraphs, graph_buckets
 from pie.drivers.fused_layers import layer_kernels_for
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache
-from pie.drivers.models.base import CausalLM, ModelConfig
+from pie.drivers.models.base import PLAIN_ATTENTION, CausalLM, ModelConfig
 from pie.drivers.paged_kernels import PagedKernels
 from pie.drivers.paged_plan import AttentionPlan, plan_attention
 from pie.drivers.torch_driver import TorchDriver
@@ -49,6 +49,12 @@ class CudaDriver(TorchDriver):
         capture: bool = True,
         seed: int | None = None,
     ) -> None:
+        if any(layer != PLAIN_ATTENTION for layer in model.attention_layers()):
+            raise ValueError(
+                f"{config.model_type!r} has sliding-window, soft-capped or rescaled attention "
+                "layers, which the CUDA driver does not run yet; use the torch driver "
+                '([driver] backend = "torch")'
+            )
         super().__init__(
             model,
             config,

@@ -15,7 +15,7 @@ from pie.drivers.attention import PagedAttention, rle_rows
 from pie.drivers.base import DriverError, DriverInfo
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
-from pie.drivers.models.base import CausalLM, ModelConfig
+from pie.drivers.models.base import CausalLM, LayerAttention, ModelConfig
 from pie.drivers.sampling import read_slots
 from pie.events.sampling import PROBES, SAMPLERS, LogitBias, LogProbs, Penalty, Rle, SlotOutput
 
@@ -172,6 +172,7 @@ class TorchDriver:
         seed: int | None = None,
     ) -> None:
         self.model = model
+        self.attention_layers = model.attention_layers()
         self.info = DriverInfo(
             model_name=model_name,
             vocab_size=config.vocab_size,
@@ -182,6 +183,7 @@ class TorchDriver:
             device=device,
             dtype=str(dtype).removeprefix("torch."),
             threads=torch.get_num_threads(),
+            sliding_window=_common_window(self.attention_layers),
         )
         self.cache = self._new_cache(_cache_shape(config, page_size, dtype), num_pages, device)
         self.generator = torch.Generator(device=device)
@@ -233,7 +235,7 @@ class TorchDriver:
 
     def _prepare(self, batch: ForwardBatch) -> Any:
         """What the pass needs built before any KV page changes: its attention."""
-        return PagedAttention(batch, self.cache)
+        return PagedAttention(batch, self.cache, self.attention_layers)
 
     def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
         """Runs the model over the batch; float32 logits [slots, vocab], None with no slot."""
@@ -301,6 +303,14 @@ def request_bias(
         counts = torch.bincount(torch.tensor(penalty.tokens), minlength=vocab_size).float()
         total -= penalty.frequency * counts + penalty.presence * (counts > 0).float()
     return total
+
+
+def _common_window(layers: Sequence[LayerAttention]) -> int | None:
+    """The widest sliding window when every layer has one, else None."""
+    windows = [layer.sliding_window for layer in layers]
+    if not windows or None in windows:
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def _cache_shape(config: ModelConfig, page_size: int, dtype: torch.dtype) -> KvCacheShape:

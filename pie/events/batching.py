@@ -35,3 +35,4 @@ class EngineStarted:
     max_batch_tokens: int
     max_batch_requests: int
     prefix_cache: str = "user"
+    sliding_window: int | None = None

@@ -22,9 +22,10 @@ class PassPlacement(KvState):
         chain = self._owned(event.context, event.requester)
         self._quiet(chain, "submit a pass to")
         validate_forward(event, len(chain.tokens), self.vocab_size, self.outputs)
-        if event.window is not None:
-            check_window(event.window)
-            self._release(chain, leaving(chain, event.window, self.page_size))
+        window = event.window if event.window is not None else self.model_window
+        if window is not None:
+            check_window(window)
+            self._release(chain, leaving(chain, window, self.page_size))
         positions = event.positions
         if positions is None:
             start = chain.next_position()
@@ -65,7 +66,7 @@ class PassPlacement(KvState):
         self.pool.pin(pinned)
         if replaced:
             pinned.append(replaced[1])
-        lease = self._grant(event, chain) if event.fast else None
+        lease = self._grant(event, chain, windowed=window is not None) if event.fast else None
         self.in_flight[event.corr] = InFlight(
             context=event.context,
             old_length=old_length,
@@ -97,11 +98,9 @@ class PassPlacement(KvState):
         request = skip_tokens(request, len(reused) * self.page_size)
         return Compactor(released, self.page_size).request(request)
 
-    def _grant(self, event: ev.SubmitForward, chain: Chain) -> Lease | None:
+    def _grant(self, event: ev.SubmitForward, chain: Chain, *, windowed: bool) -> Lease | None:
         chain.lease = None
-        lease = lease_for(
-            event, chain, self._next_lease, self.page_size, reserve=event.window is None
-        )
+        lease = lease_for(event, chain, self._next_lease, self.page_size, reserve=not windowed)
         if lease is None:
             return None
         self._next_lease += 1

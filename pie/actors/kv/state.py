@@ -11,6 +11,7 @@ from pie.actors.kv.prefix import PrefixCache
 from pie.actors.kv.quotas import Quotas
 from pie.actors.kv.statistics import KvStatistics
 from pie.actors.kv.validation import OutputLimits, RequestError
+from pie.actors.kv.window import model_window
 
 Output = tuple[str, Any]
 
@@ -28,11 +29,15 @@ class KvState:
         prefix_cache: str = "user",
         quotas: Quotas | None = None,
         outputs: OutputLimits | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self.vocab_size = vocab_size
+        self.model_window = model_window(sliding_window, page_size)
+        """Every pass that names no window of its own gets this one: with a model whose
+        every layer slides, the pages that left all windows are released."""
         self.data_plane = data_plane
         """Where placed requests go (the inference actor, the data plane's face)."""
         self.pool = PagePool(num_pages, retain=prefix_cache != "off")

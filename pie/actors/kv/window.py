@@ -36,6 +36,15 @@ def check_window(window: AttentionWindow) -> None:
         raise RequestError("invalid", f"window_pages must be 1..{MAX_WINDOW_PAGES}")
 
 
+def model_window(sliding_window: int | None, page_size: int) -> AttentionWindow | None:
+    """The page window that keeps every slot a model with this sliding window (in tokens, the
+    token's own slot included) can still attend: a pass starting at slot s reads back to slot
+    s - window + 1, which lies at most ceil((window - 1) / page_size) pages before s's own."""
+    if sliding_window is None:
+        return None
+    return AttentionWindow(sink_pages=0, window_pages=-(-(sliding_window - 1) // page_size) + 1)
+
+
 def leaving(chain: Chain, window: AttentionWindow, page_size: int) -> list[int]:
     """The held pages a pass placed now would leave out of the window: after the sinks and
     before the last `window_pages`, counting the page the pass starts writing in."""

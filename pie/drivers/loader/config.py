@@ -7,10 +7,6 @@ from typing import Any
 from pie.drivers.models import MODEL_REGISTRY, ModelConfig
 from pie.drivers.models.layers import SUPPORTED_ROPE_TYPES
 
-# Defaults of the transformers config classes for keys a config.json may leave out.
-_HEAD_DIM_DEFAULTS = {"qwen3": 128}
-_MAX_POSITIONS_DEFAULTS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
-
 
 def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     """Validate and normalise config.json; ValueError names what is unsupported."""
@@ -19,7 +15,9 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {sorted(MODEL_REGISTRY)}"
         )
-    _reject_unsupported_features(raw)
+    model_cls = MODEL_REGISTRY[model_type]
+    raw = {**model_cls.hf_defaults, **{k: v for k, v in raw.items() if v is not None}}
+    model_cls.check_hf_config(raw)
     num_heads = raw["num_attention_heads"]
     rope_theta, rope_scaling = _rope(raw)
     return ModelConfig(
@@ -30,27 +28,17 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=_head_dim(raw, model_type, num_heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 has no such key: its q/k/v projections always carry a bias.
-        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        max_position_embeddings=raw.get(
-            "max_position_embeddings", _MAX_POSITIONS_DEFAULTS[model_type]
-        ),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         raw=raw,
     )
-
-
-def _head_dim(raw: dict[str, Any], model_type: str, num_heads: int) -> int:
-    head_dim = raw.get("head_dim")
-    if head_dim:
-        return int(head_dim)
-    return _HEAD_DIM_DEFAULTS.get(model_type, raw["hidden_size"] // num_heads)
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -66,16 +54,6 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return theta, None
     return theta, {"rope_type": rope_type, **params}
-
-
-def _reject_unsupported_features(raw: dict[str, Any]) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
-    if raw.get("mlp_bias"):
-        raise ValueError("unsupported: mlp_bias=true")
-    if raw.get("use_sliding_window"):
-        raise ValueError("unsupported: use_sliding_window=true")
 
 
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:

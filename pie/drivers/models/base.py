@@ -24,6 +24,21 @@ class AttentionFn(Protocol):
 
 
 @frozen(kw_only=True)
+class LayerAttention:
+    """What one layer's attention asks of the driver beyond plain causal softmax attention."""
+
+    sliding_window: int | None = None
+    """Each token sees at most this many kv slots, its own included (None: all before it)."""
+    softcap: float | None = None
+    """Scores pass through softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    scale: float | None = None
+    """The factor on q.k (None: 1 / sqrt(head_dim))."""
+
+
+PLAIN_ATTENTION = LayerAttention()
+
+
+@frozen(kw_only=True)
 class ModelConfig:
     """The architecture facts a model file and a driver need, read from an HF config.json."""
 
@@ -64,6 +79,25 @@ class CausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab_size] (float32)."""
         raise NotImplementedError
 
+    hf_defaults: dict[str, Any] = {}
+    """Values of config.json keys that this architecture's transformers config class fills in
+    when a file leaves them out (e.g. Qwen3's head_dim of 128)."""
+
+    @classmethod
+    def check_hf_config(cls, raw: dict[str, Any]) -> None:
+        """Raises ValueError naming a config.json feature this implementation does not have."""
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        if raw.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=true")
+        if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
+            raise ValueError(f"unsupported: sliding-window layers on {raw.get('model_type')!r}")
+
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention options, in layer order; the driver honours every one."""
+        return (PLAIN_ATTENTION,) * self.config.num_layers
+
     def use_kernels(self, kernels: Any) -> None:
         """Runs the layers' small operations on `kernels` (a layers.LayerKernels): every
         module that has a `kernels` attribute gets it."""
@@ -72,7 +106,7 @@ class CausalLM(nn.Module):
                 module.kernels = kernels
 
 
-MODEL_REGISTRY: dict[str, Callable[[ModelConfig], CausalLM]] = {}
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
 
 
 def register(*model_types: str) -> Callable[[type[CausalLM]], type[CausalLM]]:

@@ -21,8 +21,9 @@ from pie.drivers.models.layers import (
 class LlamaAttention(nn.Module):
     """Fused qkv projection, rope, the driver's attention, output projection."""
 
+    qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
-    """None: follow config.attention_bias; an architecture may pin it."""
+    """None: follow config.attention_bias; an architecture may pin either."""
     kernels: LayerKernels = TORCH_KERNELS
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -36,7 +37,7 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            bias=config.attention_bias,
+            bias=config.attention_bias if self.qkv_bias is None else self.qkv_bias,
         )
         o_bias = config.attention_bias if self.o_proj_bias is None else self.o_proj_bias
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)

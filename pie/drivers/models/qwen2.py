@@ -7,10 +7,12 @@ from pie.drivers.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen2Attention(LlamaAttention):
-    # Qwen2 always biases q/k/v (the config sets attention_bias) but never the output projection.
+    # Qwen2 always biases q/k/v (its config has no attention_bias key) but never the output.
+    qkv_bias = True
     o_proj_bias = False
 
 
 @register("qwen2")
 class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
+    hf_defaults = {"max_position_embeddings": 32768}

@@ -23,3 +23,4 @@ class Qwen3Attention(LlamaAttention):
 @register("qwen3")
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
+    hf_defaults = {"head_dim": 128, "max_position_embeddings": 32768}
