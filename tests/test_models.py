@@ -93,7 +93,7 @@ def test_checkpoint_mismatch_names_missing_and_unexpected_weights(tmp_path: Path
 
 @pytest.mark.unit
 def test_unknown_model_type_lists_supported_types() -> None:
-    with pytest.raises(ValueError, match=r"'mamba'.*\['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"'mamba'.*\[.*'llama', .*'qwen3'.*\]"):
         model_config_from_hf({"model_type": "mamba"})
 
 

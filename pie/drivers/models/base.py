@@ -79,6 +79,8 @@ class CausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab_size] (float32)."""
         raise NotImplementedError
 
+    rope_types: tuple[str, ...] = ()
+    """Rope scaling types this architecture implements itself, beyond layers.py's."""
     hf_defaults: dict[str, Any] = {}
     """Values of config.json keys that this architecture's transformers config class fills in
     when a file leaves them out (e.g. Qwen3's head_dim of 128)."""
@@ -93,6 +95,11 @@ class CausalLM(nn.Module):
             raise ValueError("unsupported: mlp_bias=true")
         if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
             raise ValueError(f"unsupported: sliding-window layers on {raw.get('model_type')!r}")
+
+    def route_weight(self, name: str) -> tuple[str, str | int | None] | None:
+        """The loader's hook for checkpoint names that `packed_modules_mapping` cannot route
+        (per-expert weights): (our parameter, shard id or None), or None to use the mapping."""
+        return None
 
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         """Each layer's attention options, in layer order; the driver honours every one."""

@@ -61,11 +61,16 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then gated MLP."""
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, attention_cls: type[LlamaAttention]
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        attention_cls: type[LlamaAttention],
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp`: the feed-forward block on [T, H] (None: the gated SiLU MLP of the config)."""
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp: nn.Module = mlp or GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
