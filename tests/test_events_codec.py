@@ -73,6 +73,7 @@ LEASE = spec_ev.Lease(
     next_slot=15,
     next_position=15,
     op=TopP(p=0.9, temperature=0.7, seed=2**62),
+    adapter="sql",
 )
 REQUEST = ForwardRequest(
     corr=7,
@@ -90,6 +91,7 @@ REQUEST = ForwardRequest(
     copies=(PageCopy(src=3, dst=2),),
     final=False,
     slot_positions=tuple(range(10, 20)),
+    adapter="sql",
     lease=LEASE,
 )
 
@@ -174,6 +176,7 @@ SAMPLES = (
         context=3,
         tokens=(4,),
         window=kv_ev.AttentionWindow(sink_pages=1, window_pages=4),
+        adapter="sql",
     ),
     kv_ev.SubmitForward(
         corr=10,
@@ -207,6 +210,7 @@ SAMPLES = (
         num_pages=64,
         max_batch_tokens=32,
         max_batch_requests=8,
+        adapters=("sql", "chat"),
     ),
     bus_ev.Push(corr=20, requester="a", queue="q", message="hi"),
     bus_ev.Push(corr=21, requester="a", queue="q", message="hi", user="ann"),

@@ -69,8 +69,10 @@ async def generate(
     sampler: Sampler,
     stop_tokens: Sequence[int] = (),
     context: int | None = None,
+    adapter: str | None = None,
 ) -> Generation:
-    """Prefills `prompt` into a fresh context (or `context`), then decodes one token per pass.
+    """Prefills `prompt` into a fresh context (or `context`), then decodes one token per pass,
+    every pass through LoRA `adapter` when one is named.
 
     Pages for the whole generation are reserved first, so decode steps allocate none. The
     context is destroyed at the end unless it was passed in (it then keeps any unused reserve,
@@ -83,7 +85,9 @@ async def generate(
     try:
         # The last sampled token is never fed back, so it needs no KV.
         await _reserve(requester, ctx, len(prompt) + max_tokens - 1)
-        return await _decode(requester, ctx, list(prompt), max_tokens, sampler, set(stop_tokens))
+        return await _decode(
+            requester, ctx, list(prompt), max_tokens, sampler, set(stop_tokens), adapter
+        )
     finally:
         if own:
             await requester.destroy(ctx)
@@ -106,6 +110,7 @@ async def _decode(
     max_tokens: int,
     sampler: Sampler,
     stop: set[int],
+    adapter: str | None,
 ) -> Generation:
     started = time.perf_counter()
     feed = prompt
@@ -114,7 +119,7 @@ async def _decode(
     reason = "length"
     for step in range(max_tokens):
         slot = SamplingSlot(index=len(feed) - 1, op=step_sampler(sampler, step))
-        (out,) = await requester.forward(ctx, feed, (slot,))
+        (out,) = await requester.forward(ctx, feed, (slot,), adapter=adapter)
         assert isinstance(out, TokenOutput)
         if step == 0:
             prefill_done = time.perf_counter()

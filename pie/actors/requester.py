@@ -175,8 +175,10 @@ class Requester:
         positions: tuple[int, ...] | None = None,
         attention_masks: tuple[Rle, ...] | None = None,
         logit_mask: Rle | None = None,
+        adapter: str | None = None,
     ) -> tuple[SlotOutput, ...]:
-        """Appends `tokens` to the context in one pass and returns one output per slot."""
+        """Appends `tokens` to the context in one pass (through LoRA `adapter` when named) and
+        returns one output per slot."""
         done: ForwardCompleted = await self.call(
             "kv",
             kv_ev.SubmitForward,
@@ -186,6 +188,7 @@ class Requester:
             attention_masks=attention_masks,
             logit_mask=logit_mask,
             slots=tuple(slots),
+            adapter=adapter,
         )
         return done.outputs
 

@@ -66,6 +66,7 @@ def run_replay(args: argparse.Namespace) -> int:
         vocab_size=started.vocab_size,
         prefix_cache=started.prefix_cache,
         sliding_window=started.sliding_window,
+        adapters=started.adapters,
     )
     result = replay(envelopes, args.actor, core)
     stats = core.statistics()

@@ -123,10 +123,13 @@ class Lanes:
         positions: Sequence[int] | None,
         slots: Sequence[SamplingSlot],
         deliver: Deliver,
+        *,
+        adapter: str | None = None,
     ) -> bool:
         """Takes a pass on the context's lane, staged or run on demand; False when the pass is
-        not a plain decode the lane can run, in which case the lane is closed and the pass
-        must go the slow way. Raises LaneBusy while the lane's last pass is undelivered."""
+        not a plain decode the lane can run (or names another adapter than its lease), in which
+        case the lane is closed and the pass must go the slow way. Raises LaneBusy while the
+        lane's last pass is undelivered."""
         effects = Effects()
         with self.lock:
             lane = self._lanes.get(context)
@@ -134,7 +137,7 @@ class Lanes:
                 return False
             if lane.pending is not None:
                 raise LaneBusy(f"context {context} has a pass in flight")
-            if not self._fits(lane, tokens, positions, slots):
+            if lane.lease.adapter != adapter or not self._fits(lane, tokens, positions, slots):
                 self._close(lane, effects)
                 taken = False
             else:

@@ -292,7 +292,14 @@ def _batch(requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]) 
         batch.add(request)
     for p in lane_passes:
         lane = p.lane
+        lease = lane.lease
         batch.add_decode(
-            p.token, p.position, lane.pages_for(p.slot), p.slot + 1, lane.lease.masked_pages, p.op
+            p.token,
+            p.position,
+            lane.pages_for(p.slot),
+            p.slot + 1,
+            lease.masked_pages,
+            p.op,
+            lease.adapter,
         )
     return batch

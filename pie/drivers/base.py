@@ -27,6 +27,8 @@ class DriverInfo:
     sliding_window: int | None = None
     """Set when every layer of the model attends only to this many most recent kv slots
     (Mistral): the kv actor then releases the pages that leave the window."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters loaded with the model, by name: a request may name one of them."""
 
 
 class DriverError(Exception):

@@ -30,6 +30,8 @@ class ForwardBatch:
     logit_masks: list[Rle | None] = field(factory=list)
     logit_biases: list[tuple[LogitBias, ...]] = field(factory=list)
     penalties: list[Penalty | None] = field(factory=list)
+    adapters: list[str | None] = field(factory=list)
+    """For each request, the LoRA adapter its tokens run through (None: the base model)."""
     slot_requests: list[int] = field(factory=list)
     """For each sampling slot, the request it belongs to."""
     slot_tokens: list[int] = field(factory=list)
@@ -66,6 +68,7 @@ class ForwardBatch:
         self.logit_masks.append(req.logit_mask)
         self.logit_biases.append(req.logit_bias)
         self.penalties.append(req.penalty)
+        self.adapters.append(req.adapter)
         for slot in req.slots:
             self.slot_requests.append(r)
             self.slot_tokens.append(base + slot.index)
@@ -80,6 +83,7 @@ class ForwardBatch:
         kv_len: int,
         masked_pages: tuple[int, ...],
         op: SlotOp,
+        adapter: str | None = None,
     ) -> None:
         """One token with one sampling slot on it: what a lane pass runs."""
         self.slot_tokens.append(len(self.token_ids))
@@ -96,3 +100,4 @@ class ForwardBatch:
         self.logit_masks.append(None)
         self.logit_biases.append(())
         self.penalties.append(None)
+        self.adapters.append(adapter)

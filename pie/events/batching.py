@@ -36,3 +36,5 @@ class EngineStarted:
     max_batch_requests: int
     prefix_cache: str = "user"
     sliding_window: int | None = None
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters the driver loaded: a pass may name one."""

@@ -48,6 +48,8 @@ class ForwardRequest:
     """False for every chunk but the last when the scheduler split a long prefill."""
     slot_positions: tuple[int, ...] = ()
     """Where each of `slots` stood in the unsplit request (empty: in order)."""
+    adapter: str | None = None
+    """The LoRA adapter (by name) the tokens run through; None: the base model."""
     lease: Lease | None = None
     """Granted when the pass ends in a token sampler: the context's next plain decodes may run
     on the driver thread's fast path."""

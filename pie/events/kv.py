@@ -148,6 +148,9 @@ class SubmitForward:
     """The requester can take the context's next plain decodes on the fast path (a lease)."""
     window: AttentionWindow | None = None
     """Release the pages that leave the window before placing the pass."""
+    adapter: str | None = None
+    """The LoRA adapter (by name) the tokens run through; None: the base model. KV computed
+    under one adapter is never reused for another or for the base model."""
 
 
 @frozen(kw_only=True)

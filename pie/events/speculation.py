@@ -33,6 +33,8 @@ class Lease:
     next_position: int
     op: SlotOp
     """The sampler of the pass that granted the lease: staged passes predict it again."""
+    adapter: str | None = None
+    """The LoRA adapter of the pass that granted the lease: the lease's passes run through it."""
 
 
 @frozen(kw_only=True)

@@ -317,7 +317,7 @@ class FakeHost:
                 "models": lambda: ["toy"],
                 "load": lambda name: 1,
                 "info": lambda m: record(
-                    name="toy", vocab_size=VOCAB, page_size=PAGE, max_batch_tokens=1024
+                    name="toy", vocab_size=VOCAB, page_size=PAGE, max_batch_tokens=1024, adapters=[]
                 ),
                 "encode": lambda m, text: h.encode(text),
                 "decode": lambda m, ids: h.decode(ids),

@@ -35,6 +35,8 @@ class Chain:
     reserved: list[int] = field(factory=list)
     lease: int | None = None
     """The lease the fast path runs this context's plain decodes on, if any."""
+    adapter: str | None = None
+    """The LoRA adapter the last pass ran through: the salt changes when the next one differs."""
 
     def copy(self, owner: str) -> Chain:
         """The same tokens over the same pages (the caller counts the new owner in the pool),
@@ -49,6 +51,7 @@ class Chain:
             written=self.written,
             masked=set(self.masked),
             salt=self.salt,
+            adapter=self.adapter,
         )
 
     def held(self) -> list[int]:
@@ -75,6 +78,7 @@ class Chain:
             self.salt,
             tuple(self.reserved),
             self.lease,
+            self.adapter,
         )
 
 
@@ -89,6 +93,7 @@ class InFlight:
     replaced_tail: tuple[int, int] | None
     """(index, original page) when the tail page was copied before writing."""
     old_salt: bytes
+    old_adapter: str | None = None
     from_reserve: int = 0
     """How many of the pages the pass took (added pages, then the tail's copy) came from the
     chain's reserve: a rollback returns those to the reserve rather than the pool."""

@@ -157,6 +157,11 @@ class KvCore(PassPlacement):
         length = len(chain.tokens)
         copy = 1 if count and self._tail_needing_copy(chain, length) is not None else 0
         wanted = self._pages_for(length + count) + copy - len(chain.pages) - len(chain.reserved)
+        if self.model_window is not None:
+            # On a sliding-window model a context holds at most its window: a reserve for a
+            # whole generation would pin pages the context gives back as it goes.
+            room = self.model_window.window_pages + copy
+            wanted = min(wanted, room - len(chain.held()) - len(chain.reserved))
         self.pool.check_room(wanted)
         check_growth(self.quotas, self.contexts.values(), chain, wanted, in_use=self.pool.in_use)
         chain.reserved.extend(self.pool.allocate(max(wanted, 0)))

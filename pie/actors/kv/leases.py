@@ -42,4 +42,5 @@ def lease_for(
         next_slot=len(chain.tokens) - compact.shift,
         next_position=chain.positions[-1] + 1,
         op=slots[0].op,
+        adapter=event.adapter,
     )

@@ -10,7 +10,7 @@ from pie.actors.kv.pages import chain_hash, salted
 from pie.actors.kv.prefix import park_surplus, skip_tokens
 from pie.actors.kv.quotas import check_growth, check_size
 from pie.actors.kv.state import KvState
-from pie.actors.kv.validation import validate_forward
+from pie.actors.kv.validation import check_adapter, validate_forward
 from pie.actors.kv.window import Compactor, check_window, leaving
 from pie.events import kv as ev
 from pie.events.forward import ForwardRequest, PageCopy
@@ -22,6 +22,7 @@ class PassPlacement(KvState):
         chain = self._owned(event.context, event.requester)
         self._quiet(chain, "submit a pass to")
         validate_forward(event, len(chain.tokens), self.vocab_size, self.outputs)
+        check_adapter(event.adapter, self.adapters)
         window = event.window if event.window is not None else self.model_window
         if window is not None:
             check_window(window)
@@ -31,10 +32,8 @@ class PassPlacement(KvState):
             start = chain.next_position()
             positions = tuple(range(start, start + len(event.tokens)))
         old_length = len(chain.tokens)
-        old_salt = chain.salt
-        salt = old_salt
-        if event.attention_masks is not None:
-            salt = salted(old_salt, repr(event.attention_masks))
+        old_salt, old_adapter = chain.salt, chain.adapter
+        salt = _pass_salt(chain, event)
         reuse = self.prefix.find(chain, event, positions, salt)
         reused = [page for page, _ in reuse or ()]
         total = self._pages_for(old_length + len(event.tokens))
@@ -59,6 +58,7 @@ class PassPlacement(KvState):
         chain.pages.extend(added)
         parked = park_surplus(chain, len(reused))
         chain.salt = salt
+        chain.adapter = event.adapter
         chain.tokens.extend(event.tokens)
         chain.positions.extend(positions)
         chain.in_flight = event.corr
@@ -74,6 +74,7 @@ class PassPlacement(KvState):
             added_pages=added,
             replaced_tail=replaced,
             old_salt=old_salt,
+            old_adapter=old_adapter,
             from_reserve=from_reserve,
             reused=reused,
             parked=parked,
@@ -93,6 +94,7 @@ class PassPlacement(KvState):
             penalty=event.penalty,
             slots=event.slots,
             copies=copies,
+            adapter=event.adapter,
             lease=lease,
         )
         request = skip_tokens(request, len(reused) * self.page_size)
@@ -190,6 +192,7 @@ class PassPlacement(KvState):
         del chain.hashes[flight.old_length // self.page_size :]
         chain.written = min(chain.written, flight.old_length)
         chain.salt = flight.old_salt
+        chain.adapter = flight.old_adapter
         taken = list(flight.added_pages)
         for page in [*flight.added_pages, *flight.reused]:
             chain.pages.remove(page)
@@ -204,3 +207,15 @@ class PassPlacement(KvState):
         chain.reserved.extend(flight.parked)
         flight.parked = []
         self.pool.release(taken[flight.from_reserve :])
+
+
+def _pass_salt(chain: Chain, event: ev.SubmitForward) -> bytes:
+    """The salt the pass's pages are hashed under: the chain's, changed where the pass runs
+    through another adapter than the chain's last pass (so KV computed under one adapter is
+    never taken for another's or the base model's) and by custom attention masks."""
+    salt = chain.salt
+    if event.adapter != chain.adapter:
+        salt = salted(salt, f"adapter {event.adapter}")
+    if event.attention_masks is not None:
+        salt = salted(salt, repr(event.attention_masks))
+    return salt

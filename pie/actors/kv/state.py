@@ -3,6 +3,7 @@ and leases; the lookups and page edits every part of the core uses, and what it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pie.actors.kv.context import RELEASED, Chain, InFlight
@@ -30,6 +31,7 @@ class KvState:
         quotas: Quotas | None = None,
         outputs: OutputLimits | None = None,
         sliding_window: int | None = None,
+        adapters: Sequence[str] = (),
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
@@ -38,6 +40,8 @@ class KvState:
         self.model_window = model_window(sliding_window, page_size)
         """Every pass that names no window of its own gets this one: with a model whose
         every layer slides, the pages that left all windows are released."""
+        self.adapters = frozenset(adapters)
+        """The LoRA adapters the driver loaded: a pass naming another is refused."""
         self.data_plane = data_plane
         """Where placed requests go (the inference actor, the data plane's face)."""
         self.pool = PagePool(num_pages, retain=prefix_cache != "off")

@@ -3,6 +3,8 @@ instead of reaching the driver."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from attrs import frozen
 
 from pie.events.kv import SubmitForward
@@ -28,6 +30,15 @@ class RequestError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+def check_adapter(adapter: str | None, loaded: Collection[str]) -> None:
+    """Raises RequestError("no_such_adapter", ...) for a pass naming an adapter not loaded."""
+    if adapter is not None and adapter not in loaded:
+        known = ", ".join(sorted(loaded)) or "none"
+        raise RequestError(
+            "no_such_adapter", f"no LoRA adapter named {adapter[:64]!r}; loaded: {known}"
+        )
 
 
 def validate_forward(

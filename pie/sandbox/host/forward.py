@@ -92,6 +92,7 @@ def execute(pass_: Any) -> int:
     bias = logit_biases(_get(pass_, "logit-bias"))
     penalty = _penalty(_get(pass_, "penalty"))
     window = attention_window(_get(pass_, "window"))
+    adapter: str | None = _get(pass_, "adapter")
     tokens = tuple(pass_.tokens)
     slots = _slots(pass_.slots)
     positions = None if positions is None else tuple(positions)
@@ -104,7 +105,9 @@ def execute(pass_: Any) -> int:
             if plain and window is None:
                 corr = state.next_corr()
                 handle, fill = state.expect("forward")
-                if lanes.submit(context, state.address, corr, tokens, positions, slots, fill):
+                if lanes.submit(
+                    context, state.address, corr, tokens, positions, slots, fill, adapter=adapter
+                ):
                     return handle
                 state.discard(handle)
             else:
@@ -124,6 +127,7 @@ def execute(pass_: Any) -> int:
         slots=slots,
         fast=lanes is not None,
         window=window,
+        adapter=adapter,
     )
     return state.submit("kv", event, "forward")
 

@@ -108,6 +108,7 @@ def run_spec(params: Any) -> RunSpec:
             deliver_every=getattr(params, "deliver-every"),
             text=params.text,
             window=attention_window(getattr(params, "window", None)),
+            adapter=getattr(params, "adapter", None),
         )
     except (TypeError, ValueError) as exc:
         raise HostFailure("invalid", str(exc)) from None
@@ -145,7 +146,16 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             lanes.close(spec.context, state.address)
         elif lanes is not None and plain:
             try:
-                if lanes.submit(spec.context, state.address, corr, tokens, None, slots, deliver):
+                if lanes.submit(
+                    spec.context,
+                    state.address,
+                    corr,
+                    tokens,
+                    None,
+                    slots,
+                    deliver,
+                    adapter=spec.adapter,
+                ):
                     return
             except LaneBusy as busy:
                 deliver(ev.RequestFailed(corr=corr, kind="busy", message=str(busy)))
@@ -163,6 +173,7 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             slots=slots,
             fast=lanes is not None,
             window=spec.window,
+            adapter=spec.adapter,
         )
         window_pending = False
         state.submit_to("kv", event, deliver)

@@ -41,6 +41,7 @@ def info(model: int) -> Any:
         vocab_size=view.vocab_size,
         page_size=view.page_size,
         max_batch_tokens=view.max_batch_tokens,
+        adapters=list(view.adapters),
     )
 
 

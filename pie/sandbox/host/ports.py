@@ -29,8 +29,11 @@ class FastPath(Protocol):
         positions: Sequence[int] | None,
         slots: Sequence[SamplingSlot],
         deliver: Callable[[Any], None],
+        *,
+        adapter: str | None = None,
     ) -> bool:
-        """Takes the pass onto the context's lane; False when it must go the slow way."""
+        """Takes the pass onto the context's lane; False when it must go the slow way (as a
+        pass through another LoRA adapter than the lane's lease must)."""
 
     def close(self, context: int, requester: str, *, running_ok: bool = False) -> None:
         """Takes the context off the fast path before a command that changes it."""

@@ -23,6 +23,8 @@ class ModelView:
     max_batch_tokens: int
     grammars: Grammars | None = None
     """The model's grammar engine; None refuses constrained decoding."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters loaded with the model, by name."""
     lock: threading.Lock = field(factory=threading.Lock)
     """HF fast tokenizers are not safe to call from several threads at once."""
 

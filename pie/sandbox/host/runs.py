@@ -58,6 +58,8 @@ class RunSpec:
     """Detokenize as the run goes (always done when there are stop strings)."""
     window: AttentionWindow | None = None
     """Every step releases the pages that leave this window."""
+    adapter: str | None = None
+    """The LoRA adapter every step runs through (None: the base model)."""
 
 
 @frozen(kw_only=True)

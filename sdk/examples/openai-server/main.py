@@ -1,7 +1,8 @@
 """An OpenAI-compatible API as an HTTP-served inferlet: `GET /models`, `POST /chat/completions`,
 `POST /completions` and `POST /responses`, whole or streamed as server-sent events.
 `pie serve --http PORT --openai` mounts it at /v1; each request runs in its own instance,
-batched with everything else."""
+batched with everything else. The model's LoRA adapters are models too (as in vLLM): a request
+whose `model` names one runs through it."""
 
 from __future__ import annotations
 
@@ -53,24 +54,20 @@ def _refusal(error: HostError) -> ApiError | None:
 
 async def _route(request: Request) -> Any:
     route = (request.method, request.path.rstrip("/"))
-    model = get_model()
+    base = get_model()
     if route == ("GET", "/models"):
-        return {"object": "list", "data": [_model_card(model.name)]}
+        return {"object": "list", "data": [_model_card(n) for n in (base.name, *base.adapters)]}
     if request.method == "GET" and request.path.startswith("/models/"):
-        _check_model(request.path.removeprefix("/models/"), model.name)
-        return _model_card(model.name)
+        return _model_card(_served(request.path.removeprefix("/models/"), base).name)
     if route == ("POST", "/chat/completions"):
         body = _body(request)
-        _check_model(body.get("model"), model.name)
-        return await chat_completion(model, body)
+        return await chat_completion(_served(body.get("model"), base), body)
     if route == ("POST", "/completions"):
         body = _body(request)
-        _check_model(body.get("model"), model.name)
-        return await completions.create(model, body)
+        return await completions.create(_served(body.get("model"), base), body)
     if route == ("POST", "/responses"):
         body = _body(request)
-        _check_model(body.get("model"), model.name)
-        return await responses.create(model, body)
+        return await responses.create(_served(body.get("model"), base), body)
     raise HttpError(404, f"no route {request.method} {request.path}")
 
 
@@ -228,9 +225,14 @@ def _model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "pie"}
 
 
-def _check_model(requested: Any, served: str) -> None:
-    if requested != served:
-        raise ModelNotFound(requested)
+def _served(requested: Any, base: Any) -> Any:
+    """The model a request names: the base model, or the base model through one of its LoRA
+    adapters (whose contexts then run through it)."""
+    if requested == base.name:
+        return base
+    if isinstance(requested, str) and requested in base.adapters:
+        return base.with_adapter(requested)
+    raise ModelNotFound(requested)
 
 
 class ModelNotFound(ApiError):

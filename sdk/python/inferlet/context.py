@@ -22,10 +22,15 @@ from inferlet.sampling import Sampler
 
 
 class Context:
-    """A new empty context on `model`; `Context.open/take` start from a saved snapshot."""
+    """A new empty context on `model`; `Context.open/take` start from a saved snapshot.
+    `adapter` names a LoRA adapter of the model (`model.adapters`; default: `model.adapter`)
+    that every pass on the context runs through, unless a pass or a generation names another."""
 
-    def __init__(self, model: Model, *, _handle: int | None = None) -> None:
+    def __init__(
+        self, model: Model, *, adapter: str | None = None, _handle: int | None = None
+    ) -> None:
         self.model = model
+        self.adapter = adapter or model.adapter
         self.handle = call(_ctx.create, model.handle) if _handle is None else _handle
         self.chat = ChatState(model)
         self._pending: list[str | list[int]] = []
@@ -34,17 +39,31 @@ class Context:
         self._destroyed = False
 
     @classmethod
-    def open(cls, model: Model, name: str, *, messages: Iterable[Message] = ()) -> Context:
+    def open(
+        cls,
+        model: Model,
+        name: str,
+        *,
+        messages: Iterable[Message] = (),
+        adapter: str | None = None,
+    ) -> Context:
         """A copy of snapshot `name` (which stays). `messages` says which chat messages the
         snapshot holds, so later chat calls queue only what they add."""
-        ctx = cls(model, _handle=call(_ctx.open, model.handle, name))
+        ctx = cls(model, adapter=adapter, _handle=call(_ctx.open, model.handle, name))
         ctx.chat.assume(messages)
         return ctx
 
     @classmethod
-    def take(cls, model: Model, name: str, *, messages: Iterable[Message] = ()) -> Context:
+    def take(
+        cls,
+        model: Model,
+        name: str,
+        *,
+        messages: Iterable[Message] = (),
+        adapter: str | None = None,
+    ) -> Context:
         """Like `open`, but the snapshot is removed and its pages move to the new context."""
-        ctx = cls(model, _handle=call(_ctx.take, model.handle, name))
+        ctx = cls(model, adapter=adapter, _handle=call(_ctx.take, model.handle, name))
         ctx.chat.assume(messages)
         return ctx
 
@@ -101,7 +120,7 @@ class Context:
         """Prefills the queued input in one pass (no slots)."""
         tokens = self.take_pending()
         if tokens:
-            await self._run_own(_pass(self.handle, tokens, []))
+            await self._run_own(_pass(self.handle, tokens, [], self.adapter))
 
     # Passes ---------------------------------------------------------------------------------
 
@@ -129,6 +148,7 @@ class Context:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         window: AttentionWindow | None = None,
+        adapter: str | None = None,
     ) -> Generation:
         """Generates up to `max_tokens` tokens; stops at any of `stop_tokens` (default: the model's
         stop tokens) or once the text contains one of `stop_strings`. `logit_mask` (run lengths
@@ -146,7 +166,9 @@ class Context:
         `frequency_penalty` (-2..2) lower the logits of tokens the generation has already
         produced, by `frequency * count + presence` (the OpenAI API's rule), in the engine.
         `window` (an `AttentionWindow`) bounds the KV memory of a long generation: every step
-        first releases the pages that left the window, keeping the sink pages."""
+        first releases the pages that left the window, keeping the sink pages. `adapter` runs
+        every step through that LoRA adapter (default: the context's own, `Context(adapter=)`);
+        queued input is prefilled through it too."""
         matcher, owned = _matcher_for(self.model, schema, regex, grammar)
         return Generation(
             self,
@@ -163,6 +185,7 @@ class Context:
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
             window=window,
+            adapter=adapter or self.adapter,
         )
 
     async def _run_own(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
@@ -226,7 +249,7 @@ class Context:
     def fork(self) -> Context:
         """An O(1) copy sharing this context's pages, with the same queued input and chat."""
         self._check_usable()
-        child = Context(self.model, _handle=call(_ctx.fork, self.handle))
+        child = Context(self.model, adapter=self.adapter, _handle=call(_ctx.fork, self.handle))
         child._pending = [p if isinstance(p, str) else list(p) for p in self._pending]
         child._last_token = self._last_token
         child.chat = self.chat.copy()
@@ -309,7 +332,9 @@ def _matcher_for(
             compiled.free()
 
 
-def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPass:
+def _pass(
+    handle: int, tokens: list[int], slots: list[fw.Slot], adapter: str | None
+) -> fw.ForwardPass:
     return fw.ForwardPass(
         context=handle,
         tokens=tokens,
@@ -320,4 +345,5 @@ def _pass(handle: int, tokens: list[int], slots: list[fw.Slot]) -> fw.ForwardPas
         logit_bias=[],
         penalty=None,
         window=None,
+        adapter=adapter,
     )

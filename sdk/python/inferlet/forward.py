@@ -78,6 +78,7 @@ class Forward:
         self._logit_bias: list[fw.LogitBias] = []
         self._slots: list[fw.Slot] = []
         self._window: AttentionWindow | None = None
+        self._adapter: str | None = context.adapter
         self._done = False
 
     def input(self, tokens: Sequence[int], positions: Sequence[int] | None = None) -> Forward:
@@ -114,6 +115,12 @@ class Forward:
         self._window = window
         return self
 
+    def adapter(self, name: str | None) -> Forward:
+        """Runs the pass through LoRA adapter `name` (None: the base model) instead of the
+        context's own adapter."""
+        self._adapter = name
+        return self
+
     def sample(self, indices: Iterable[int], sampler: Sampler) -> Forward:
         """A sampling slot at each of `indices` (positions within this pass's input)."""
         op = sampler.slot_op()
@@ -141,6 +148,7 @@ class Forward:
             logit_bias=self._logit_bias,
             penalty=None,
             window=None if self._window is None else self._window.wit(),
+            adapter=self._adapter,
         )
         outputs = await self._context._run_own(pass_)
         return [slot_result(out) for out in outputs]

@@ -54,6 +54,7 @@ class Generation:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         window: AttentionWindow | None = None,
+        adapter: str | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -81,6 +82,7 @@ class Generation:
         self._step_bias = step_bias
         self._penalties = (presence_penalty, frequency_penalty)
         self._window = None if window is None else window.wit()
+        self._adapter = adapter
         self._stream = TextStream(ctx.model, self._stops) if self._stops else None
         self._feed: list[int] | None = None
         self._run: int | None = None
@@ -192,6 +194,7 @@ class Generation:
             presence_penalty=self._penalties[0],
             frequency_penalty=self._penalties[1],
             window=self._window,
+            adapter=self._adapter,
         )
         try:
             self._run = call(gen.start, params)
@@ -260,6 +263,7 @@ class Generation:
                 bias,
                 self._penalty(),
                 self._window,
+                self._adapter,
             )
             token = (await run_pass(pass_))[0].value
             assert isinstance(token, int)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 
 from wit_world.imports import model as _model
@@ -23,12 +24,26 @@ class Model:
         self.page_size: int = info.page_size
         """Tokens per KV page."""
         self.max_batch_tokens: int = info.max_batch_tokens
+        self.adapters: list[str] = list(info.adapters)
+        """The LoRA adapters loaded with the model, by name (see `Context(adapter=...)`)."""
+        self.adapter: str | None = None
+        """The adapter contexts made on this model run through by default (`with_adapter`)."""
         self._stop_tokens: tuple[int, ...] | None = None
 
     @classmethod
     def load(cls, name: str = "") -> Model:
         """The model called `name`; the empty name is the engine's default model."""
         return cls(call(_model.load, name))
+
+    def with_adapter(self, adapter: str) -> Model:
+        """This model as seen through one of its LoRA `adapters`, the way servers list an
+        adapter as a model of its own: contexts made on it run through the adapter, and its
+        `name` is the adapter's."""
+        if adapter not in self.adapters:
+            raise ValueError(f"no LoRA adapter {adapter!r}; the model has {self.adapters}")
+        view = copy.copy(self)
+        view.name, view.adapter = adapter, adapter
+        return view
 
     def encode(self, text: str) -> list[int]:
         return call(_model.encode, self.handle, text)

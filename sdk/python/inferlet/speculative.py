@@ -183,7 +183,9 @@ class _Speculator:
             fw.Slot(i, self.sampler.at_step(step + n).slot_op()) for n, i in enumerate(indices)
         ]
         outputs = await run_pass(
-            fw.ForwardPass(self.ctx.handle, feed, None, None, None, slots, [], None, None)
+            fw.ForwardPass(
+                self.ctx.handle, feed, None, None, None, slots, [], None, None, self.ctx.adapter
+            )
         )
         self.result.passes += 1
         tokens = [out.value for out in outputs]

@@ -97,6 +97,7 @@ def _params(ctx: Context, prompt: list[int], tokens: int, every: int) -> Any:
         presence_penalty=0.0,
         frequency_penalty=0.0,
         window=None,
+        adapter=None,
     )
 
 
