@@ -40,6 +40,7 @@ from pie.dataplane import (
     SpeculationStatistics,
 )
 from pie.drivers.base import Driver, DriverInfo
+from pie.drivers.memory import MemoryUse, memory_use
 from pie.eventlog import EventLog
 from pie.events.batching import EngineStarted
 from pie.grammar import GrammarLimits, Grammars
@@ -62,6 +63,7 @@ class EngineStatistics:
     inferlets: InferletStatistics
     mailboxes: tuple[MailboxStatistics, ...]
     logged_events: int
+    memory: MemoryUse
 
 
 class Engine:
@@ -107,6 +109,7 @@ class Engine:
                 vocab_size=self.info.vocab_size,
                 prefix_cache=config.kv.prefix_cache,
                 sliding_window=self.info.sliding_window,
+                adapters=self.info.adapters,
                 quotas=_quotas(config, self.info.num_pages),
                 outputs=OutputLimits(
                     max_slots=config.scheduler.max_slots_per_pass,
@@ -144,6 +147,7 @@ class Engine:
             page_size=self.info.page_size,
             max_batch_tokens=max_batch_tokens,
             grammars=_grammars(self.config.grammar, self.tokenizer, self.info.vocab_size),
+            adapters=self.info.adapters,
         )
         return InferletActor(
             InferletCore(self.programs, _admission_limits(sandbox)),
@@ -175,6 +179,7 @@ class Engine:
                 max_batch_requests=self.policy.max_batch_requests,
                 prefix_cache=self.config.kv.prefix_cache,
                 sliding_window=self.info.sliding_window,
+                adapters=self.info.adapters,
             )
             self.log.append("engine", "engine", started)
         self.wasm.start()
@@ -230,6 +235,7 @@ class Engine:
             inferlets=self.inferlets.statistics(),
             mailboxes=tuple(self.router.statistics()),
             logged_events=len(self.log) if self.log is not None else 0,
+            memory=memory_use(self.driver),
         )
 
     async def _drain(self, timeout: float) -> None:

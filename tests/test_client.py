@@ -240,6 +240,10 @@ def test_submit_uploads_streams_and_prints_the_result_last(
         rows = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines())
         assert int(rows["pages_free"]) > 0
         assert int(rows["driver_threads"]) == server.engine.info.threads
+        parts = ("model", "kv_used", "other")
+        resident = sum(float(rows[f"memory_{part}_mb"]) for part in parts)
+        assert float(rows["memory_resident_mb"]) == pytest.approx(resident, abs=0.1)
+        assert resident > 0
 
 
 def with_custom_section(wasm: bytes, payload: bytes) -> bytes:

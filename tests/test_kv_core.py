@@ -40,6 +40,7 @@ class Kv:
         vocab_size: int = 100,
         prefix_cache: str = "user",
         quotas: Quotas | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.core = KvCore(
             num_pages=num_pages,
@@ -47,6 +48,7 @@ class Kv:
             vocab_size=vocab_size,
             prefix_cache=prefix_cache,
             quotas=quotas,
+            sliding_window=sliding_window,
         )
         self.pool = self.core.pool
         self._corr = itertools.count(1)

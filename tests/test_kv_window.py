@@ -217,3 +217,29 @@ def test_only_the_owner_may_release_and_the_owner_is_served_after() -> None:
     assert kv.describe(context).released_pages == ()
     kv.ok(ev.ReleasePages, context=context, pages=(0, 1))
     assert kv.pool.free == 32 - 2
+
+
+def test_a_sliding_window_model_releases_pages_that_left_every_window() -> None:
+    """With a 6-token window (pages of 4), a pass starting at slot s reads back to s - 5: the
+    context keeps the page holding s - 5 and what follows, whatever its length."""
+    kv = Kv(sliding_window=6)
+    context = kv.create()
+    for token in range(40):
+        request = kv.submit(context, [token])
+        kv.apply(request)
+        assert len([page for page in kv.pages(context) if page >= 0]) <= 3
+        first_needed = max(token - 5, 0)
+        assert request.kv_len - request.kv_start == 1
+        assert request.kv_len >= token + 1 - first_needed  # every needed slot is still held
+    info = kv.describe(context)
+    assert info.tokens == tuple(range(40)) and len(info.released_pages) == 40 // PAGE - 3
+    assert kv.core.statistics().pages_released == len(info.released_pages)
+
+
+def test_a_sliding_window_model_reserves_no_more_than_its_window() -> None:
+    kv = Kv(sliding_window=6)
+    context = kv.create()
+    kv.write(context, range(5))
+    kv.reserve(context, 400)
+    assert len(kv.pages(context)) + len(kv.core.contexts[context].reserved) == 3
+    assert kv.pool.free == 32 - 3

@@ -65,3 +65,42 @@ def test_stop_tokens_include_the_turn_end(ours: Tokenizer) -> None:
     assert im_end in ours.eos_ids and im_end in ours.stop_token_ids
     assert ours.special_tokens["<|im_start|>"] == ours.bos_id == 1
     assert ours.vocab_size == 49152
+
+
+TEMPLATE_WITH_EXTRAS = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | tojson }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def test_chat_template_extras_match_transformers(tmp_path: Path) -> None:
+    """Templates use HF's tojson (no HTML escaping), the generation block, raise_exception,
+    special tokens written as dicts, and the list form of chat_template."""
+    import json
+
+    from tests.tiny_models import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path, 320)
+    settings_file = tmp_path / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text())
+    settings["bos_token"] = {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}
+    settings["chat_template"] = [{"name": "default", "template": TEMPLATE_WITH_EXTRAS}]
+    settings_file.write_text(json.dumps(settings))
+    for stale in tmp_path.glob("chat_template.*"):
+        stale.unlink()
+    ours = Tokenizer.from_folder(tmp_path)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    messages = [
+        {"role": "user", "content": '<b>fox</b> & "dog"'},
+        {"role": "assistant", "content": "ünïcode <ok>"},
+    ]
+
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == expected
+    assert '"ünïcode <ok>"' in expected and ours.bos_id == ours.token_to_id("<|endoftext|>")
+    assert ours.vocab_size == len(reference)
+    with pytest.raises(Exception, match="bad role"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])

@@ -306,6 +306,8 @@ def _short(program: str) -> str:
 
 
 def _number(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return ", ".join(map(str, value)) or "none"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 

@@ -16,11 +16,20 @@ DEFAULT_SERVER_URL = "ws://127.0.0.1:8080"
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="engine config file (TOML)")
-    parser.add_argument("--model", help="HF model directory, .gguf file, or smollm2-135m")
+    parser.add_argument(
+        "--model", help="HF model directory, .gguf file, or an alias: smollm2-135m, gemma3-270m"
+    )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--weights", choices=["auto", "int8"], help="int8: linear weights kept in int8 (CPU)"
+    )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load the PEFT LoRA adapter folder PATH as NAME; repeatable",
     )
 
 
@@ -33,11 +42,17 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The config file named by --config (or the defaults) with --model, --dtype, --device and
-    --weights."""
+    """The config file named by --config (or the defaults) with --model, --dtype, --device,
+    --weights and --adapter."""
     from pie.config import load_config, with_overrides
 
     config = load_config(args.config)
+    adapters = dict(config.model.adapters)
+    for given in getattr(args, "adapter", []):
+        name, sep, path = given.partition("=")
+        if not sep:
+            raise ValueError(f"--adapter wants NAME=PATH, got {given!r}")
+        adapters[name] = path
     return with_overrides(
         config,
         model={
@@ -45,5 +60,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             "dtype": args.dtype,
             "device": args.device,
             "weights": getattr(args, "weights", None),
+            "adapters": adapters or None,
         },
     )

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import re
+from typing import Any
 
 import attrs
 from attrs import field, frozen
@@ -11,6 +13,18 @@ from attrs import field, frozen
 from pie.config.checks import at_least, choice, share
 
 DEFAULT_MODEL = "smollm2-135m"
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}")
+
+
+def _adapters(_: object, attribute: attrs.Attribute[Any], value: dict[str, str]) -> None:
+    for name, path in value.items():
+        if not _ADAPTER_NAME.fullmatch(name):
+            raise ValueError(
+                f"model.adapters: {name!r} is not an adapter name (1 to 64 letters, digits and "
+                "._:/-, starting with a letter or digit)"
+            )
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"model.adapters: {name!r} needs the path of a PEFT adapter folder")
 
 
 @frozen(kw_only=True)
@@ -25,6 +39,15 @@ class ModelConfig:
     decoder linear layer as int8 rows with one scale per row, smoothed from a calibration pass,
     and multiplies in int8 (a quarter of float32's bytes; outputs close to, not equal to,
     float32's). The output head stays in `dtype`."""
+    adapters: dict[str, str] = field(factory=dict, validator=_adapters)
+    """LoRA adapters by name: each a PEFT folder (adapter_config.json and
+    adapter_model.safetensors) checked against the model at start. A forward pass or a
+    generation names the adapter it runs through (none: the base model); one batch mixes them."""
+    max_adapters: int = field(default=8, validator=at_least(0))
+    """The most adapters `adapters` may name."""
+    adapter_rank_budget: int = field(default=512, validator=at_least(0))
+    """The loaded adapters' ranks (r) added up may be at most this (their memory and the work
+    they add to a pass grow with it)."""
 
 
 @frozen(kw_only=True)
@@ -56,10 +79,16 @@ class DriverConfig:
 class KvConfig:
     page_size: int = field(default=16, validator=at_least(1))
     num_pages: int = field(default=0, validator=at_least(0))
-    """0 sizes the pool from memory_mb (CPU) or memory_fraction (CUDA)."""
-    memory_mb: int = field(default=1024, validator=at_least(1))
+    """0 sizes the pool from memory_mb, or from the model and memory_fraction."""
+    memory_mb: int = field(default=0, validator=at_least(0))
+    """The pool's budget in MiB; 0: room for [scheduler] max_batch_requests contexts of the
+    model's full length, but at most memory_fraction of the memory free after loading it."""
     memory_fraction: float = 0.5
-    """Of the GPU memory still free after loading the model."""
+    """Of the memory free after loading the model: the GPU's on CUDA, the system's on the CPU
+    (where pages take resident memory only once a pass first uses them)."""
+    dtype: str = field(default="auto", validator=choice("auto", "int8"))
+    """auto: pages hold the model's dtype; int8: one byte per value with a float32 scale per
+    page, K or V, and head (a quarter of float32's memory; the torch driver only)."""
     prefix_cache: str = field(default="user", validator=choice("off", "user", "global"))
     """Which contexts reuse each other's committed pages instead of computing them again: none,
     a user's own (so no program learns another user's prompts from how fast its pass ran), or

@@ -73,6 +73,7 @@ class _GroupBuilder:
         self.batch = batch
         self.page_size = cache.page_size
         self.cache_shape = cache.shape
+        self.value_dtype = cache.value_dtype
         self.requests = requests
         self.n = batch.qo_indptr[requests[0] + 1] - batch.qo_indptr[requests[0]]
         self.kv_lens = torch.tensor([batch.kv_lens[r] for r in requests], dtype=torch.long)
@@ -118,7 +119,7 @@ class _GroupBuilder:
     def gather_buffer(self, device: torch.device) -> torch.Tensor:
         shape = self.cache_shape
         size = (len(self.requests) * self.width, shape.num_kv_heads, shape.head_dim)
-        return torch.empty(size, dtype=shape.dtype, device=device)
+        return torch.empty(size, dtype=self.value_dtype, device=device)
 
     def plain_causal(self) -> bool:
         """Fresh prefills with no masks: SDPA's own causal mask is exactly right."""
@@ -210,32 +211,29 @@ class PagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.cache.write(layer, self.write_rows, k, v)
-        rows = self.cache.layer_rows(layer)
         spec = self.layers[layer] if layer < len(self.layers) else PLAIN_ATTENTION
         if len(self.groups) == 1:
-            return self._attend(self.groups[0], q, rows, spec)
+            return self._attend(self.groups[0], q, layer, spec)
         out = torch.empty_like(q)
         for group in self.groups:
-            out.index_copy_(0, group.tokens, self._attend(group, q, rows, spec))
+            out.index_copy_(0, group.tokens, self._attend(group, q, layer, spec))
         return out
 
-    def _attend(
-        self, g: _Group, q: torch.Tensor, rows: torch.Tensor, spec: LayerAttention
-    ) -> torch.Tensor:
+    def _attend(self, g: _Group, q: torch.Tensor, layer: int, spec: LayerAttention) -> torch.Tensor:
         heads, dim = q.shape[1], q.shape[2]
-        kv_heads = rows.shape[1]
+        kv_heads = self.cache.shape.num_kv_heads
         qg = q.index_select(0, g.tokens).view(g.batch, g.new_tokens, heads, dim).transpose(1, 2)
         fold = g.new_tokens == 1
         if fold:
             qg = qg.reshape(g.batch, kv_heads, -1, dim)
-        kg = torch.index_select(rows, 0, g.k_rows, out=g.keys)
-        vg = torch.index_select(rows, 0, g.v_rows, out=g.values)
+        kg = self.cache.gather(layer, g.k_rows, g.keys)
+        vg = self.cache.gather(layer, g.v_rows, g.values)
         kg = kg.view(g.batch, g.kv_len, kv_heads, dim).transpose(1, 2)
         vg = vg.view(g.batch, g.kv_len, kv_heads, dim).transpose(1, 2)
         seen = g.masks[spec.sliding_window]
         if spec.softcap is None:
             out = F.scaled_dot_product_attention(
-                qg.to(rows.dtype),
+                qg.to(kg.dtype),
                 kg,
                 vg,
                 attn_mask=seen.mask,
@@ -244,7 +242,7 @@ class PagedAttention:
                 enable_gqa=not fold,
             )
         else:
-            out = softcapped_attention(qg.to(rows.dtype), kg, vg, seen, spec)
+            out = softcapped_attention(qg.to(kg.dtype), kg, vg, seen, spec)
         out = out.reshape(g.batch, heads, g.new_tokens, dim)
         if seen.blind is not None:
             # Backends differ on rows with nothing visible (NaN or zeros); pin them to zeros.

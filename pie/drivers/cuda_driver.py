@@ -19,6 +19,7 @@ from pie.drivers.batch import ForwardBatch
 from pie.drivers.cuda_graphs import DecodeGraph, DecodeGraphs, graph_buckets
 from pie.drivers.fused_layers import layer_kernels_for
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache
+from pie.drivers.lora import LoraAdapters
 from pie.drivers.models.base import PLAIN_ATTENTION, CausalLM, ModelConfig
 from pie.drivers.paged_kernels import PagedKernels
 from pie.drivers.paged_plan import AttentionPlan, plan_attention
@@ -30,7 +31,8 @@ class CudaDriver(TorchDriver):
     wrapper classes, and its norm and rope kernels, which the model is switched to), which
     runs bfloat16 and float16 (select.PAGED_DTYPES).
     `graph_batch_sizes`: the decode buckets to capture (empty: the defaults; None: no CUDA
-    graphs). One page beyond `num_pages` is kept as the graphs' scratch page."""
+    graphs). One page beyond `num_pages` is kept as the graphs' scratch page. Passes that name a
+    LoRA adapter run eagerly."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class CudaDriver(TorchDriver):
         graph_batch_sizes: Sequence[int] | None = (),
         capture: bool = True,
         seed: int | None = None,
+        adapters: LoraAdapters | None = None,
     ) -> None:
         if any(layer != PLAIN_ATTENTION for layer in model.attention_layers()):
             raise ValueError(
@@ -66,6 +69,7 @@ class CudaDriver(TorchDriver):
             dtype=dtype,
             model_name=model_name,
             seed=seed,
+            adapters=adapters,
         )
         self.layer_kernels = layer_kernels_for(kernels)
         model.use_kernels(self.layer_kernels)
@@ -86,11 +90,15 @@ class CudaDriver(TorchDriver):
                     self.graphs.capture()
 
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
+        if shape.dtype == torch.int8:
+            raise ValueError('[kv] dtype = "int8" runs on the torch driver only')
         return PagedKvCache(shape, num_pages + 1, device)
 
     def _prepare(self, batch: ForwardBatch) -> Any:
         plan = plan_attention(batch, self.info.page_size)
-        graph = self._graph_for(plan)
+        # The graphs were captured with no adapter chosen: a pass that names one runs eagerly.
+        adapted = any(name is not None for name in batch.adapters)
+        graph = None if adapted else self._graph_for(plan)
         if graph is not None:
             graph.prepare(batch.token_ids, batch.positions, plan.write_rows, plan.groups[0])
             return graph

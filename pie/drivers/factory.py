@@ -3,14 +3,19 @@ model, KV pool size, and for the CUDA driver its paged kernels and CUDA graphs."
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import sys
 from typing import Any
 
+import psutil
 import torch
 
 from pie.config import EngineConfig
 from pie.drivers.base import Driver
 from pie.drivers.loader import load_model
+from pie.drivers.lora import LoraAdapters, load_adapters
+from pie.drivers.models import CausalLM, ModelConfig
 from pie.drivers.select import DriverChoice, choose_driver, load_flashinfer, pick_device, pick_dtype
 from pie.drivers.threads import set_threads
 from pie.drivers.tokenizer import Tokenizer
@@ -34,14 +39,11 @@ def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
 def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tokenizer]:
     threads = set_threads(config.driver)
     loaded = load_model(config.model.path, choice.dtype, choice.device)
+    # Before int8 conversion, which then converts the base layer inside each wrapped one.
+    adapters = _adapters(loaded.model, config)
     weights = _quantize(loaded, config.model.weights, choice.device)
     kv = config.kv
-    num_pages = kv.num_pages or TorchDriver.pages_for_budget(
-        loaded.config,
-        budget_bytes=_kv_budget(config, choice.device),
-        page_size=kv.page_size,
-        dtype=choice.dtype,
-    )
+    num_pages = kv.num_pages or _pages_for(config, loaded.config, choice)
     common: dict[str, Any] = dict(
         page_size=kv.page_size,
         num_pages=num_pages,
@@ -50,11 +52,16 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         device=choice.device,
         dtype=choice.dtype,
         model_name=loaded.name,
+        adapters=adapters,
     )
     if choice.driver == "torch":
         how = f"{weights}{threads} CPU thread{'s' if threads > 1 else ''}"
         _announce(loaded.name, choice, how, num_pages, kv.page_size)
-        return TorchDriver(loaded.model, loaded.config, **common), loaded.tokenizer
+        driver = TorchDriver(loaded.model, loaded.config, kv_dtype=_kv_dtype(config), **common)
+        _return_freed_memory()
+        return driver, loaded.tokenizer
+    if kv.dtype != "auto":
+        raise ValueError(f"[kv] dtype = {kv.dtype!r} runs on the torch driver only")
     from pie.drivers.cuda_driver import CudaDriver
 
     kernels, version = load_flashinfer()
@@ -79,6 +86,31 @@ def _quantize(loaded: Any, weights: str, device: str) -> str:
     return "int8 weights, "
 
 
+def _adapters(model: CausalLM, config: EngineConfig) -> LoraAdapters | None:
+    """The configured LoRA adapters, checked against the model and applied to it."""
+    if not config.model.adapters:
+        return None
+    adapters = load_adapters(
+        model,
+        config.model.adapters,
+        max_adapters=config.model.max_adapters,
+        rank_budget=config.model.adapter_rank_budget,
+    )
+    ranks = ", ".join(f"{name} (r={rank})" for name, rank in adapters.ranks.items())
+    print(f"pie: LoRA adapters {ranks}", file=sys.stderr)
+    return adapters
+
+
+def _return_freed_memory() -> None:
+    """Hands the heap that loading and quantizing freed back to the system: glibc keeps it
+    otherwise (measured: 150 MB of resident memory after int8 quantization)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
+
+
 def _announce(name: str, choice: DriverChoice, how: str, num_pages: int, page_size: int) -> None:
     print(
         f"pie: {name} on {choice.device} ({str(choice.dtype).removeprefix('torch.')}, {how}), "
@@ -87,8 +119,26 @@ def _announce(name: str, choice: DriverChoice, how: str, num_pages: int, page_si
     )
 
 
-def _kv_budget(config: EngineConfig, device: str) -> int:
+def _pages_for(config: EngineConfig, model: ModelConfig, choice: DriverChoice) -> int:
+    """The KV pool's size when [kv] num_pages leaves it open (see KvConfig.memory_mb)."""
+    kv = config.kv
+    budget = kv.memory_mb << 20 or int(_free_memory(choice.device) * kv.memory_fraction)
+    pages = TorchDriver.pages_for_budget(
+        model, budget_bytes=budget, page_size=kv.page_size, dtype=_kv_dtype(config) or choice.dtype
+    )
+    if kv.memory_mb:
+        return pages
+    per_context = -(-model.max_position_embeddings // kv.page_size)
+    return min(pages, per_context * config.scheduler.max_batch_requests)
+
+
+def _kv_dtype(config: EngineConfig) -> torch.dtype | None:
+    """The KV pages' element type when [kv] dtype sets one (None: the model's)."""
+    return torch.int8 if config.kv.dtype == "int8" else None
+
+
+def _free_memory(device: str) -> int:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * config.kv.memory_fraction)
-    return config.kv.memory_mb * 1024 * 1024
+        return int(free)
+    return int(psutil.virtual_memory().available)

@@ -22,7 +22,11 @@ class KvCacheShape:
     @property
     def bytes_per_page(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
+        values = self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
+        if self.dtype == torch.int8:
+            # An int8 page carries a float32 scale per layer, K or V, and head.
+            values += self.num_layers * 2 * self.num_kv_heads * 4
+        return values
 
 
 def pages_for_budget(budget_bytes: int, shape: KvCacheShape) -> int:
@@ -71,6 +75,10 @@ class PagedKvCache:
         self._first_unused = 0 if zero_on_first_use else num_pages
         """Every page below it has been used (the kv actor hands out the lowest ids first, so
         a pass's pages are nearly always below it and the check is one `max`)."""
+        if num_pages:
+            # Padding in a batch's gathers reads page 0 under a zero attention weight, and
+            # zero times a NaN left in unwritten memory would still be NaN.
+            self.prepare([0])
 
     def prepare(self, pages: Sequence[int]) -> None:
         """Zeroes, in every layer, the pages among `pages` that no pass has used yet."""
@@ -80,13 +88,23 @@ class PagedKvCache:
         fresh = [page for page in set(pages) if unused[page]]
         if not fresh:
             return
-        self.kv.index_fill_(1, torch.tensor(fresh, device=self.kv.device), 0)
+        self._zero(torch.tensor(fresh, device=self.kv.device))
         for page in fresh:
             unused[page] = 0
         first = self._first_unused
         while first < self.num_pages and not unused[first]:
             first += 1
         self._first_unused = first
+
+    def _zero(self, pages: torch.Tensor) -> None:
+        self.kv.index_fill_(1, pages, 0)
+
+    @property
+    def used_pages(self) -> int:
+        """Pages some pass has used (all of them when the pool was zeroed at once)."""
+        if self._unused is None:
+            return self.num_pages
+        return self.num_pages - sum(self._unused)
 
     @property
     def page_size(self) -> int:
@@ -111,6 +129,15 @@ class PagedKvCache:
     def slot_rows(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
         """Row of each slot's K in `layer_rows`; add `page_size` for its V."""
         return slot_pages * (2 * self.page_size) + slot_offsets
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype `gather` returns K and V in."""
+        return self.shape.dtype
+
+    def gather(self, layer: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """K or V rows [R, heads, dim] of one layer (rows from `slot_rows`), into `out`."""
+        return torch.index_select(self.layer_rows(layer), 0, rows, out=out)
 
     def write(self, layer: int, k_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v [T, heads, dim] at the slots whose K rows are `k_rows` [T]."""

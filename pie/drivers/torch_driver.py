@@ -3,6 +3,7 @@ runs the model with paged attention, and reads every sampling slot out of the lo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -15,6 +16,9 @@ from pie.drivers.attention import PagedAttention, rle_rows
 from pie.drivers.base import DriverError, DriverInfo
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
+from pie.drivers.kvcache_int8 import Int8PagedKvCache
+from pie.drivers.lora import LoraAdapters
+from pie.drivers.memory import model_bytes
 from pie.drivers.models.base import CausalLM, LayerAttention, ModelConfig
 from pie.drivers.sampling import read_slots
 from pie.events.sampling import PROBES, SAMPLERS, LogitBias, LogProbs, Penalty, Rle, SlotOutput
@@ -53,6 +57,7 @@ def _check_shape(batch: ForwardBatch, info: DriverInfo) -> None:
         "logit_masks": len(batch.logit_masks),
         "logit_biases": len(batch.logit_biases),
         "penalties": len(batch.penalties),
+        "adapters": len(batch.adapters),
     }
     for name, count in per_request.items():
         if count != r:
@@ -83,6 +88,9 @@ def _check_request(batch: ForwardBatch, r: int, info: DriverInfo) -> None:
         raise DriverError(f"{what} names a page outside [0, {info.num_pages})")
     if any(not 0 <= p < len(pages) for p in batch.masked_pages[r]):
         raise DriverError(f"{what} masks a page index outside its {len(pages)} pages")
+    adapter = batch.adapters[r]
+    if adapter is not None and adapter not in info.adapters:
+        raise DriverError(f"{what} names adapter {adapter!r}, which is not loaded")
     tokens = batch.token_ids[start:end]
     if min(tokens) < 0 or max(tokens) >= info.vocab_size:
         raise DriverError(f"{what} has a token id outside [0, {info.vocab_size})")
@@ -154,7 +162,8 @@ class TorchDriver:
     The model must already live on `device`; `dtype` is the KV cache's element type; `seed`
     seeds the generator of sampler slots that bring no seed of their own. Every pass runs
     under inference_mode, and a batch is fully validated (and its masks built) before the
-    first KV page is touched.
+    first KV page is touched. `adapters`: LoRA adapters already applied to the model, which a
+    request may name.
     """
 
     def __init__(
@@ -170,9 +179,14 @@ class TorchDriver:
         dtype: torch.dtype,
         model_name: str,
         seed: int | None = None,
+        adapters: LoraAdapters | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        self.dtype = dtype
+        self.adapters = adapters
         self.attention_layers = model.attention_layers()
+        self._model_bytes: int | None = None
         self.info = DriverInfo(
             model_name=model_name,
             vocab_size=config.vocab_size,
@@ -184,8 +198,10 @@ class TorchDriver:
             dtype=str(dtype).removeprefix("torch."),
             threads=torch.get_num_threads(),
             sliding_window=_common_window(self.attention_layers),
+            adapters=() if adapters is None else adapters.names,
         )
-        self.cache = self._new_cache(_cache_shape(config, page_size, dtype), num_pages, device)
+        shape = _cache_shape(config, page_size, kv_dtype or dtype)
+        self.cache = self._new_cache(shape, num_pages, device)
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
@@ -195,7 +211,12 @@ class TorchDriver:
 
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
         # On the CPU the pool stays unwritten (not resident) until passes use its pages.
-        return PagedKvCache(shape, num_pages, device, zero_on_first_use=device == "cpu")
+        lazy = device == "cpu"
+        if shape.dtype == torch.int8:
+            return Int8PagedKvCache(
+                shape, num_pages, device, value_dtype=self.dtype, zero_on_first_use=lazy
+            )
+        return PagedKvCache(shape, num_pages, device, zero_on_first_use=lazy)
 
     @staticmethod
     def pages_for_budget(
@@ -206,6 +227,14 @@ class TorchDriver:
 
     def statistics(self) -> DriverStatistics:
         return self._stats
+
+    def memory_bytes(self) -> tuple[int, int, int, str]:
+        """(model tensors, KV pages used, KV pool, device) for pie.drivers.memory."""
+        if self._model_bytes is None:
+            self._model_bytes = model_bytes(self.model)
+        cache = self.cache
+        page = cache.bytes_per_page
+        return self._model_bytes, cache.used_pages * page, cache.num_pages * page, self.info.device
 
     def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
         started = time.perf_counter()
@@ -228,7 +257,8 @@ class TorchDriver:
         allowed = self._allowed_tokens(batch)
         bias = self._slot_bias(batch)
         self._copy_pages(batch.copies)
-        logits = self._slot_logits(batch, prepared)
+        with self._adapters_applied(batch):
+            logits = self._slot_logits(batch, prepared)
         if logits is None:
             return []
         return read_slots(logits, batch.slot_ops, self.generator, allowed, bias)
@@ -236,6 +266,11 @@ class TorchDriver:
     def _prepare(self, batch: ForwardBatch) -> Any:
         """What the pass needs built before any KV page changes: its attention."""
         return PagedAttention(batch, self.cache, self.attention_layers)
+
+    def _adapters_applied(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[None]:
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.applied(batch)
 
     def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
         """Runs the model over the batch; float32 logits [slots, vocab], None with no slot."""

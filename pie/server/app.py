@@ -358,6 +358,12 @@ class Server:
             pages_cached=stats.kv.pages_cached,
             prefix_hit_tokens=stats.kv.prefix_hit_tokens,
             driver_threads=self.engine.info.threads,
+            adapters=self.engine.info.adapters,
+            memory_resident_mb=stats.memory.resident,
+            memory_model_mb=stats.memory.model,
+            memory_kv_used_mb=stats.memory.kv_used,
+            memory_kv_pool_mb=stats.memory.kv_pool,
+            memory_other_mb=stats.memory.other,
         )
 
     def statistics(self) -> ServerStatistics:

@@ -255,6 +255,14 @@ class EngineStatus:
     """Prompt tokens whose KV was reused from the prefix cache instead of computed."""
     driver_threads: int = 0
     """The CPU threads the driver computes with; 0 from a server that does not say."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters loaded with the model, by name."""
+    memory_resident_mb: float = 0.0
+    """The engine process's resident memory, and its parts below (pie.drivers.memory)."""
+    memory_model_mb: float = 0.0
+    memory_kv_used_mb: float = 0.0
+    memory_kv_pool_mb: float = 0.0
+    memory_other_mb: float = 0.0
 
 
 StreamedEvent: TypeAlias = (

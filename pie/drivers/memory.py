@@ -1,0 +1,50 @@
+"""Where the engine's memory goes: the process's resident total, split into the model's
+tensors, the KV pages passes have used, and the rest (interpreter, libraries, guests)."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+from attrs import frozen
+from torch import nn
+
+_MIB = 1 << 20
+
+
+@frozen(kw_only=True)
+class MemoryUse:
+    """Sizes in MiB. `model` and `kv_used` count host memory only when the driver runs on the
+    CPU; on a GPU they are device memory and `other` is the whole resident total."""
+
+    resident: float
+    model: float
+    kv_used: float
+    kv_pool: float
+    """The pool's full size; on the CPU its pages become resident only once a pass uses them."""
+    other: float
+    on_device: str
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (int8 weights and their scales included)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def memory_use(driver: object) -> MemoryUse:
+    """The split for a driver that reports `memory_bytes()` (model, kv used, kv pool, device);
+    only the resident total for one that does not (the synthetic driver)."""
+    resident = psutil.Process().memory_info().rss
+    report = getattr(driver, "memory_bytes", None)
+    model, used, pool, device = report() if report is not None else (0, 0, 0, "cpu")
+    host = torch.device(device).type == "cpu"
+    other = resident - (model + used if host else 0)
+    return MemoryUse(
+        resident=resident / _MIB,
+        model=model / _MIB,
+        kv_used=used / _MIB,
+        kv_pool=pool / _MIB,
+        other=max(other, 0) / _MIB,
+        on_device=device,
+    )
