@@ -34,6 +34,7 @@ RUNNERS = {
     "bench agents": "pie.cli.bench.agents:run_bench_agents",
     "bench gpu": "pie.cli.bench.gpu:run_bench_gpu",
     "bench decoding": "pie.cli.bench.decoding:run_bench_decoding",
+    "bench peers": "pie.cli.bench.peers:run_bench_peers",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

@@ -175,6 +175,7 @@ def add_bench_parsers(commands: Commands) -> None:
     _bench_tax_parser(suites)
     _bench_serve_parser(suites)
     _bench_gpu_parser(suites)
+    _bench_peers_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -280,3 +281,22 @@ def _bench_gpu_parser(suites: Commands) -> None:
     gpu.add_argument(
         "--profile", type=int, default=0, metavar="ROWS", help="print a host profile's top rows"
     )
+
+
+def _bench_peers_parser(suites: Commands) -> None:
+    peers = suites.add_parser(
+        "peers", help="pie against llama.cpp on the same GGUF weights at matching precisions"
+    )
+    peers.add_argument("--json", action="store_true", help="print one JSON object")
+    peers.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    peers.add_argument("--threads", type=int, default=1, help="CPU threads for both engines")
+    peers.add_argument("--decode-tokens", type=int, default=128)
+    peers.add_argument("--prefill-tokens", type=int, default=512)
+    peers.add_argument("--concurrency", type=int, default=16)
+    precisions = ["f32", "bf16", "int8/q8_0", "q4_1"]
+    peers.add_argument("--precisions", nargs="+", choices=precisions, default=precisions)
+    peers.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M)")
+    peers.add_argument(
+        "--setup", action="store_true", help="build the llama.cpp environment when missing"
+    )
+    peers.add_argument("--peer-python", help="a Python with llama-cpp-python installed")
