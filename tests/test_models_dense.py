@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tests.paged_reference as paged_reference
-from pie.actors.generate import generate
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.attention import PagedAttention
 from pie.drivers.batch import ForwardBatch
@@ -32,7 +31,7 @@ from pie.drivers.quantize import quantize_int8
 from pie.engine import Engine, open_engine
 from pie.events.forward import ForwardRequest
 from pie.events.sampling import Argmax, SamplingSlot, TokenOutput
-from tests.test_engine_devices import _hf_greedy
+from tests.engine_greedy import assert_matches, engine_greedy, hf_greedy
 from tests.tiny_models import TINY_SHAPE, TINY_TOLERANCE, VOCAB, reference_logits, save_tiny_model
 
 PAGE = 4
@@ -187,36 +186,13 @@ def _engine_config(folder: Path, **model: Any) -> EngineConfig:
     )
 
 
-async def _greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each prompt's n greedy tokens, all prompts generating at once."""
-    out: dict[int, list[int]] = {}
-
-    async def run(i: int) -> None:
-        async with engine.requester() as req:
-            out[i] = list((await generate(req, prompts[i], max_tokens=n, sampler=Argmax())).tokens)
-
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(run, i)
-    return [out[i] for i in range(len(prompts))]
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("name", ENGINE_CASES)
 async def test_engine_greedy_equals_transformers(tmp_path: Path, name: str) -> None:
     reference = save_tiny_model(tmp_path, CASES[name])
     config = _engine_config(tmp_path)
-    driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
-    expected = [_hf_greedy(reference, ids, 20, "cpu") for ids in PROMPTS]
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        alone = [(await _greedy(engine, [ids], 20))[0] for ids in PROMPTS]
-        together = await _greedy(engine, PROMPTS * 2, 20)
-        stats = engine.statistics()
-    assert alone == expected
-    assert together == expected * 2
-    assert stats.scheduler.max_batch_size >= 8
-    assert stats.kv.pages_free == stats.kv.pages_total
+    expected = [hf_greedy(reference, ids, 20) for ids in PROMPTS]
+    assert_matches(await engine_greedy(config, PROMPTS, 20), expected)
 
 
 async def _decode_pass_by_pass(engine: Engine, prompt: list[int], n: int) -> list[int]:
@@ -272,7 +248,7 @@ async def test_a_long_mistral_generation_holds_a_bounded_number_of_pages(tmp_pat
     config = _engine_config(tmp_path)
     driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
     prompts = [[5 + i, 17, 42, 99, 7] for i in range(4)]
-    expected = [_hf_greedy(reference, ids, 60, "cpu") for ids in prompts]
+    expected = [hf_greedy(reference, ids, 60, "cpu") for ids in prompts]
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         alone, alone_peak = await _decode_watching_pages(engine, prompts[:1], 60)
         released_alone = engine.statistics().kv.pages_released

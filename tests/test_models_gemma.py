@@ -32,6 +32,7 @@ from pie.drivers.torch_driver import TorchDriver
 from pie.engine import open_engine
 from pie.events.forward import ForwardRequest
 from pie.events.sampling import Argmax, LogitsOutput, RawLogits, SamplingSlot
+from tests.engine_greedy import assert_matches, engine_greedy, hf_greedy
 from tests.tiny_models import TINY_SHAPE, TINY_TOLERANCE, VOCAB, reference_logits, save_tiny_model
 
 WINDOW = 6
@@ -173,46 +174,10 @@ def test_torch_driver_matches_transformers(tiny: tuple[torch.nn.Module, Path]) -
     assert (torch.stack(rows) - theirs).abs().max().item() <= TINY_TOLERANCE
 
 
-def _hf_greedy(model: Any, ids: list[int], n: int, device: str) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids], device=device),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [250, 11, 64, 64, 9, 30, 31], [8]]
 NEW_TOKENS = 20
 """Every generation runs past the window of 6."""
-
-
-async def _engine_greedy(config: EngineConfig, prompts: list[list[int]]) -> Any:
-    """(each prompt alone, 8 contexts at once, engine statistics) of greedy generations."""
-    driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        async with engine.requester() as req:
-            alone = [
-                list((await generate(req, ids, max_tokens=NEW_TOKENS, sampler=Argmax())).tokens)
-                for ids in prompts
-            ]
-        together: dict[int, list[int]] = {}
-
-        async def run(i: int) -> None:
-            async with engine.requester() as r:
-                ids = prompts[i % len(prompts)]
-                out = await generate(r, ids, max_tokens=NEW_TOKENS, sampler=Argmax())
-                together[i] = list(out.tokens)
-
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                for i in range(8):
-                    nursery.start_soon(run, i)
-        return alone, [together[i] for i in range(8)], engine.statistics()
 
 
 @pytest.mark.integration
@@ -225,14 +190,8 @@ async def test_engine_greedy_equals_transformers(tmp_path: Path, case: str, devi
         model={"path": str(tmp_path), "dtype": "float32", "device": device},
         kv={"num_pages": 256, "page_size": 4},
     )
-    expected = [_hf_greedy(reference, ids, NEW_TOKENS, device) for ids in PROMPTS]
-
-    alone, together, stats = await _engine_greedy(config, PROMPTS)
-
-    assert alone == expected
-    assert together == [expected[i % len(PROMPTS)] for i in range(8)]
-    assert stats.scheduler.max_batch_size >= 8
-    assert stats.kv.pages_free == stats.kv.pages_total
+    expected = [hf_greedy(reference, ids, NEW_TOKENS, device) for ids in PROMPTS]
+    assert_matches(await engine_greedy(config, PROMPTS, NEW_TOKENS), expected)
 
 
 @pytest.mark.unit
@@ -441,7 +400,7 @@ async def test_gemma3_270m_engine_greedy_equals_transformers(
 ) -> None:
     """Three prompts at once, the last one longer than the 512-token window."""
     expected = [
-        _hf_greedy(gemma3_reference, ids, GEMMA3_NEW_TOKENS, "cpu") for ids in gemma3_prompts
+        hf_greedy(gemma3_reference, ids, GEMMA3_NEW_TOKENS, "cpu") for ids in gemma3_prompts
     ]
     config = with_overrides(
         EngineConfig(),

@@ -10,15 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-import trio
 from dense_attention import DenseCausalAttention
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from pie.actors.generate import generate
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.batch import ForwardBatch
-from pie.drivers.factory import build_torch_driver
 from pie.drivers.loader import load_model
 from pie.drivers.loader.config import model_config_from_hf
 from pie.drivers.models import CausalLM, moe
@@ -26,9 +23,9 @@ from pie.drivers.models.layers import GatedMLP
 from pie.drivers.models.moe import ExpertProjection, Router, SparseMoeBlock
 from pie.drivers.quantize import Int8Linear, quantize_int8
 from pie.drivers.torch_driver import TorchDriver
-from pie.engine import open_engine
 from pie.events.forward import ForwardRequest
-from pie.events.sampling import Argmax, LogitsOutput, RawLogits, SamplingSlot
+from pie.events.sampling import LogitsOutput, RawLogits, SamplingSlot
+from tests.engine_greedy import assert_matches, engine_greedy, hf_greedy
 from tests.tiny_models import TINY_SHAPE, TINY_TOLERANCE, VOCAB, reference_logits, save_tiny_model
 
 EXPERTS = dict(num_experts_per_tok=2)
@@ -296,14 +293,6 @@ def test_qwen3_moe_refuses_sliding_windows() -> None:
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [250, 11, 64, 64, 9, 30, 31], [8]]
 
 
-def _hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("name", ["qwen3_moe-dense-and-sparse-layers", "mixtral-sliding-window"])
 async def test_engine_greedy_equals_transformers_alone_and_batched(
@@ -315,27 +304,5 @@ async def test_engine_greedy_equals_transformers_alone_and_batched(
         model={"path": str(tmp_path), "dtype": "float32", "device": "cpu"},
         kv={"num_pages": 256, "page_size": 4},
     )
-    driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
-    expected = [_hf_greedy(reference, ids, 20) for ids in PROMPTS]
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        async with engine.requester() as req:
-            alone = [
-                (await generate(req, ids, max_tokens=20, sampler=Argmax())).tokens
-                for ids in PROMPTS
-            ]
-        together: dict[int, tuple[int, ...]] = {}
-
-        async def run(i: int) -> None:
-            async with engine.requester() as r:
-                ids = PROMPTS[i % len(PROMPTS)]
-                together[i] = (await generate(r, ids, max_tokens=20, sampler=Argmax())).tokens
-
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                for i in range(8):
-                    nursery.start_soon(run, i)
-        stats = engine.statistics()
-    assert [list(t) for t in alone] == expected
-    assert [list(together[i]) for i in range(8)] == [expected[i % len(PROMPTS)] for i in range(8)]
-    assert stats.scheduler.max_batch_size >= 8
-    assert stats.kv.pages_free == stats.kv.pages_total
+    expected = [hf_greedy(reference, ids, 20) for ids in PROMPTS]
+    assert_matches(await engine_greedy(config, PROMPTS, 20), expected)
