@@ -115,6 +115,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
+    @classmethod
+    def for_config(cls, config: Any) -> RotaryEmbedding:
+        """The tables a ModelConfig's head_dim, positions, theta and scaling describe."""
+        return cls(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+
     def forward(self, positions: torch.Tensor) -> Rope:
         return self.cos[positions], self.sin[positions]
 

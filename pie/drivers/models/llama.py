@@ -105,12 +105,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-        )
+        self.rotary_emb = RotaryEmbedding.for_config(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn

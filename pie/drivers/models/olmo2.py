@@ -69,12 +69,7 @@ class Olmo2Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Olmo2DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-        )
+        self.rotary_emb = RotaryEmbedding.for_config(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
