@@ -1,12 +1,13 @@
 """Where the engine's memory goes: the process's resident total, split into the model's
-tensors, the KV pages passes have used, and the rest (interpreter, libraries, guests)."""
+tensors, the KV pages passes have used, and the rest (interpreter, libraries, guests). It
+imports no torch: the engine sets torch's threading up before torch first loads."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psutil
-import torch
 from attrs import frozen
-from torch import nn
 
 _MIB = 1 << 20
 
@@ -25,7 +26,7 @@ class MemoryUse:
     on_device: str
 
 
-def model_bytes(model: nn.Module) -> int:
+def model_bytes(model: Any) -> int:
     """Bytes of every parameter and buffer (int8 weights and their scales included)."""
     tensors = [*model.parameters(), *model.buffers()]
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -38,7 +39,7 @@ def memory_use(driver: object) -> MemoryUse:
     resident = psutil.Process().memory_info().rss
     report = getattr(driver, "memory_bytes", None)
     model, used, pool, device = report() if report is not None else (0, 0, 0, "cpu")
-    host = torch.device(device).type == "cpu"
+    host = device.split(":")[0] == "cpu"
     other = resident - (model + used if host else 0)
     return MemoryUse(
         resident=resident / _MIB,
