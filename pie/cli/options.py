@@ -22,7 +22,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
-        "--weights", choices=["auto", "int8"], help="int8: linear weights kept in int8 (CPU)"
+        "--weights",
+        choices=["auto", "int8", "int4"],
+        help="int8 / int4: linear weights kept in int8 / 4-bit blocks (CPU)",
     )
     parser.add_argument(
         "--adapter",

@@ -34,11 +34,14 @@ class ModelConfig:
     dtype: str = field(default="auto", validator=choice("auto", "float32", "bfloat16", "float16"))
     """auto: float32 on the CPU, bfloat16 on CUDA."""
     device: str = field(default="auto", validator=choice("auto", "cpu", "cuda"))
-    weights: str = field(default="auto", validator=choice("auto", "int8"))
+    weights: str = field(default="auto", validator=choice("auto", "int8", "int4"))
     """How linear weights are held: auto keeps them in `dtype`; int8 (CPU only) keeps each
     decoder linear layer as int8 rows with one scale per row, smoothed from a calibration pass,
     and multiplies in int8 (a quarter of float32's bytes; outputs close to, not equal to,
-    float32's). The output head stays in `dtype`."""
+    float32's); int4 (CPU only) keeps them as 4-bit Q4_1 blocks multiplied by a kernel compiled
+    on first use: a GGUF model's own Q4_0/Q4_1 blocks as they are (outputs equal to the float32
+    model's up to rounding), other weights quantized per group of 32. The output head stays in
+    `dtype`."""
     adapters: dict[str, str] = field(factory=dict, validator=_adapters)
     """LoRA adapters by name: each a PEFT folder (adapter_config.json and
     adapter_model.safetensors) checked against the model at start. A forward pass or a

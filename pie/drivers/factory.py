@@ -80,6 +80,11 @@ def _quantize(loaded: Any, weights: str, device: str) -> str:
         return ""
     if device != "cpu":
         raise ValueError(f"[model] weights = {weights!r} runs on the CPU only, not {device}")
+    if weights == "int4":
+        from pie.drivers.quantize4 import quantize_int4
+
+        quantize_int4(loaded.model, loaded.path)
+        return "int4 weights, "
     from pie.drivers.quantize import CALIBRATION, quantize_int8
 
     quantize_int8(loaded.model, loaded.tokenizer.encode(CALIBRATION))

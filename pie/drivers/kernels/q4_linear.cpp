@@ -1,0 +1,302 @@
+// y = x W^T on the CPU with W held as 4-bit Q4_1 blocks along its input dimension (llama.cpp's
+// format: 32 weights per block, w = d * q + m, the block's low nibbles are weights 0..15 and its
+// high nibbles 16..31). A few rows of x (decode) are multiplied with each block dequantized in
+// registers; many rows (prefill) go through float chunks of W and torch's matmul.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kFusedRows = 8;   // the register kernel's widest batch of x rows
+constexpr int64_t kChunkedFrom = 48;  // from here dequantizing + matmul beat ceil(T / 8) passes
+constexpr int64_t kChunkFloats = 1 << 21;  // 8 MB of float32 scratch per chunk of W
+constexpr int64_t kScaleChunk = 64;  // blocks whose scales are widened to float32 at a time
+
+struct Q4Weight {
+  const uint8_t* packed;  // [n, k / 2]
+  const c10::Half* scales;  // [n, k / 32, 2]: d then m for each block
+  int64_t n;
+  int64_t k;
+  const uint8_t* row(int64_t i) const { return packed + i * (k / 2); }
+  const c10::Half* row_scales(int64_t i) const { return scales + i * (k / kBlock) * 2; }
+};
+
+// Each instruction set supplies Vec (kWidth floats), `widen` (float16 scales to float32),
+// `dequant` (one block into kParts Vecs in element order) and, where the register kernel runs
+// (PIE_Q4_FUSED), a few arithmetic helpers. The kernels below are written once over them.
+
+#if defined(__AVX512F__)
+#define PIE_Q4_FUSED 1
+struct Isa {
+  using Vec = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr const char* kName = "avx512";
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  static void widen(const c10::Half* s, int64_t count, float* out) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(halves));
+    }
+    for (; i < count; ++i) out[i] = static_cast<float>(s[i]);
+  }
+  // The 16 values d * q + m for q = 0..15 form a table that vpermps indexes with each lane's
+  // low 4 bits, which is the low nibble as loaded: one permute per 16 weights, no conversions.
+  static void dequant(const uint8_t* q, float d, float m, Vec* out) {
+    const Vec levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const Vec table = _mm512_fmadd_ps(levels, _mm512_set1_ps(d), _mm512_set1_ps(m));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    out[0] = _mm512_permutexvar_ps(bytes, table);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PIE_Q4_FUSED 1
+struct Isa {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+  static constexpr const char* kName = "avx2";
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(Vec v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+  }
+  static void widen(const c10::Half* s, int64_t count, float* out) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) {
+      const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(halves));
+    }
+    for (; i < count; ++i) out[i] = static_cast<float>(s[i]);
+  }
+  static void dequant(const uint8_t* q, float d, float m, Vec* out) {
+    const Vec scale = _mm256_set1_ps(d);
+    const Vec offset = _mm256_set1_ps(m);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(bytes, mask);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int p = 0; p < 4; ++p) {
+      const Vec levels = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+      out[p] = _mm256_fmadd_ps(levels, scale, offset);
+    }
+  }
+};
+#else
+#define PIE_Q4_FUSED 0
+// Without SIMD the per-block loop lost to dequantizing into float tiles for torch's matmul at
+// every batch size (0.35x float32 against 0.53x at one row, measured), so only that path runs.
+struct Isa {
+  using Vec = float;
+  static constexpr int kWidth = 1;
+  static constexpr const char* kName = "portable";
+  static void store(float* p, Vec v) { *p = v; }
+  static void widen(const c10::Half* s, int64_t count, float* out) {
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(s[i]);
+  }
+  static void dequant(const uint8_t* q, float d, float m, Vec* out) {
+    // d has 11 significant bits and q 4, so d * q is exact: rounding matches a fused d * q + m.
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>(q[j] & 15) + m;
+      out[j + 16] = d * static_cast<float>(q[j] >> 4) + m;
+    }
+  }
+};
+#endif
+
+constexpr int kParts = kBlock / Isa::kWidth;
+
+#if PIE_Q4_FUSED
+constexpr int kAccs = 2;  // two accumulator chains per output hide the FMA latency
+
+// Output rows of W handled together so that each x load serves several of them; fewer when
+// many x rows already fill the registers with accumulators.
+template <int R>
+constexpr int rows_at_once() {
+  if (R <= 2) return Isa::kWidth == 16 ? 4 : 2;
+  return R <= 4 ? 2 : 1;
+}
+
+// y[r, n0 + j] for R rows of x and NR rows of W, each block dequantized once for all R rows.
+// The blocks' d and m are widened to float32 a chunk at a time, so that the inner loop reads
+// them with plain broadcasts.
+template <int R, int NR>
+void fused_rows(const float* x, const Q4Weight& w, int64_t n0, float* y) {
+  typename Isa::Vec acc[NR][R][kAccs];
+#pragma GCC unroll 32
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+      for (int a = 0; a < kAccs; ++a) acc[j][r][a] = Isa::zero();
+  float scales[NR][2 * kScaleChunk];
+  const int64_t blocks = w.k / kBlock;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kScaleChunk) {
+    const int64_t count = std::min(kScaleChunk, blocks - b0);
+    for (int j = 0; j < NR; ++j) Isa::widen(w.row_scales(n0 + j) + 2 * b0, 2 * count, scales[j]);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t b = b0 + i;
+#pragma GCC unroll 32
+      for (int j = 0; j < NR; ++j) {
+        typename Isa::Vec block[kParts];
+        Isa::dequant(w.row(n0 + j) + b * (kBlock / 2), scales[j][2 * i], scales[j][2 * i + 1], block);
+#pragma GCC unroll 32
+        for (int r = 0; r < R; ++r) {
+          const float* xs = x + r * w.k + b * kBlock;
+#pragma GCC unroll 32
+          for (int p = 0; p < kParts; ++p) {
+            auto& sum = acc[j][r][p % kAccs];
+            sum = Isa::fma(block[p], Isa::load(xs + p * Isa::kWidth), sum);
+          }
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) {
+      float total = 0.0f;
+      for (int a = 0; a < kAccs; ++a) total += Isa::sum(acc[j][r][a]);
+      y[r * w.n + n0 + j] = total;
+    }
+}
+
+template <int R>
+void fused(const float* x, const Q4Weight& w, float* y) {
+  constexpr int NR = rows_at_once<R>();
+  at::parallel_for(0, w.n, 32, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + NR <= end; n += NR) fused_rows<R, NR>(x, w, n, y);
+    for (; n < end; ++n) fused_rows<R, 1>(x, w, n, y);
+  });
+}
+
+void fused_any(const float* x, int64_t rows, const Q4Weight& w, float* y) {
+  switch (rows) {
+    case 1: return fused<1>(x, w, y);
+    case 2: return fused<2>(x, w, y);
+    case 3: return fused<3>(x, w, y);
+    case 4: return fused<4>(x, w, y);
+    case 5: return fused<5>(x, w, y);
+    case 6: return fused<6>(x, w, y);
+    case 7: return fused<7>(x, w, y);
+    default: return fused<8>(x, w, y);
+  }
+}
+
+#endif  // PIE_Q4_FUSED
+
+void dequant_rows(const Q4Weight& w, int64_t begin, int64_t end, float* out) {
+  const int64_t blocks = w.k / kBlock;
+  float scales[2 * kScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    float* dst = out + (n - begin) * w.k;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kScaleChunk) {
+      const int64_t count = std::min(kScaleChunk, blocks - b0);
+      Isa::widen(w.row_scales(n) + 2 * b0, 2 * count, scales);
+      for (int64_t i = 0; i < count; ++i) {
+        typename Isa::Vec block[kParts];
+        const int64_t b = b0 + i;
+        Isa::dequant(w.row(n) + b * (kBlock / 2), scales[2 * i], scales[2 * i + 1], block);
+        for (int p = 0; p < kParts; ++p) Isa::store(dst + b * kBlock + p * Isa::kWidth, block[p]);
+      }
+    }
+  }
+}
+
+// y a chunk of W's rows at a time: each chunk is dequantized into a float scratch of a few MB
+// and multiplied in one matmul (small tiles made the matmul re-pack x for every tile and ran
+// 1.6x slower than float32), so W never exists in float32 as a whole.
+at::Tensor chunked(const at::Tensor& x, const Q4Weight& w) {
+  at::Tensor y = at::empty({x.size(0), w.n}, x.options());
+  const int64_t chunk = std::min(w.n, std::max<int64_t>(64, kChunkFloats / w.k));
+  at::Tensor scratch = at::empty({chunk, w.k}, x.options());
+  float* dst = scratch.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < w.n; n0 += chunk) {
+    const int64_t rows = std::min(chunk, w.n - n0);
+    at::parallel_for(n0, n0 + rows, 16, [&](int64_t begin, int64_t end) {
+      dequant_rows(w, begin, end, dst + (begin - n0) * w.k);
+    });
+    at::Tensor out = y.narrow(1, n0, rows);
+    at::mm_out(out, x, scratch.narrow(0, 0, rows).t());
+  }
+  return y;
+}
+
+Q4Weight checked_weight(const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "q4 packed weights: expected a contiguous uint8 [N, K/2] tensor");
+  const int64_t n = packed.size(0);
+  const int64_t k = packed.size(1) * 2;
+  TORCH_CHECK(k % kBlock == 0, "q4 weights: K = ", k, " is not a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({n, k / kBlock, 2}),
+              "q4 scales: expected a contiguous float16 [N, K/32, 2] tensor for N = ", n,
+              ", K = ", k, ", got ", scales.sizes());
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), "q4 weights: CPU only");
+  return Q4Weight{packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), n, k};
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  const Q4Weight w = checked_weight(packed, scales);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "q4 linear: expected float32 x of shape [T, ", w.k, "], got ", x.sizes(), " ",
+              x.scalar_type());
+  const at::Tensor rows = x.contiguous();
+  const int64_t t = rows.size(0);
+#if PIE_Q4_FUSED
+  if (t < kChunkedFrom) {
+    at::Tensor y = at::empty({t, w.n}, rows.options());
+    for (int64_t r = 0; r < t; r += kFusedRows) {
+      const int64_t count = std::min(kFusedRows, t - r);
+      fused_any(rows.data_ptr<float>() + r * w.k, count, w, y.data_ptr<float>() + r * w.n);
+    }
+    return y;
+  }
+#endif
+  return chunked(rows, w);
+}
+
+at::Tensor q4_dequantize(const at::Tensor& packed, const at::Tensor& scales) {
+  const Q4Weight w = checked_weight(packed, scales);
+  at::Tensor out = at::empty({w.n, w.k}, packed.options().dtype(at::kFloat));
+  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
+    dequant_rows(w, begin, end, out.data_ptr<float>() + begin * w.k);
+  });
+  return out;
+}
+
+std::string q4_isa() { return Isa::kName; }
+
+}  // namespace
+
+// The namespace comes from the build (one per instruction-set variant), so that variants built
+// side by side can be loaded into one process.
+#define PIE_Q4_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+PIE_Q4_LIBRARY(PIE_Q4_NAMESPACE, m) {
+  m.def("linear(Tensor x, Tensor packed, Tensor scales) -> Tensor", &q4_linear);
+  m.def("dequantize(Tensor packed, Tensor scales) -> Tensor", &q4_dequantize);
+  m.def("isa() -> str", &q4_isa);
+}
