@@ -23,8 +23,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--weights",
-        choices=["auto", "int8", "int4"],
-        help="int8 / int4: linear weights kept in int8 / 4-bit blocks (CPU)",
+        choices=["auto", "dtype", "int8", "int4"],
+        help="dtype / int8 / int4: linear weights kept in --dtype, int8, 4-bit blocks (CPU)",
     )
     parser.add_argument(
         "--adapter",

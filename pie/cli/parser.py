@@ -293,7 +293,7 @@ def _bench_peers_parser(suites: Commands) -> None:
     peers.add_argument("--decode-tokens", type=int, default=128)
     peers.add_argument("--prefill-tokens", type=int, default=512)
     peers.add_argument("--concurrency", type=int, default=16)
-    precisions = ["f32", "bf16", "int8/q8_0", "q4_1"]
+    precisions = ["f32", "bf16", "int8/q8_0", "int4/q4_1"]
     peers.add_argument("--precisions", nargs="+", choices=precisions, default=precisions)
     peers.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M)")
     peers.add_argument(

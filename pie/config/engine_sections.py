@@ -34,8 +34,11 @@ class ModelConfig:
     dtype: str = field(default="auto", validator=choice("auto", "float32", "bfloat16", "float16"))
     """auto: float32 on the CPU, bfloat16 on CUDA."""
     device: str = field(default="auto", validator=choice("auto", "cpu", "cuda"))
-    weights: str = field(default="auto", validator=choice("auto", "int8", "int4"))
-    """How linear weights are held: auto keeps them in `dtype`; int8 (CPU only) keeps each
+    weights: str = field(default="auto", validator=choice("auto", "dtype", "int8", "int4"))
+    """How linear weights are held: auto is int4 for a float32 model on the CPU whose GGUF file
+    stores its layers as Q4_0/Q4_1 blocks (exact there, and faster) when the kernel builds with
+    AVX2 or better, and keeps them in `dtype` otherwise; dtype always keeps them in `dtype`;
+    int8 (CPU only) keeps each
     decoder linear layer as int8 rows with one scale per row, smoothed from a calibration pass,
     and multiplies in int8 (a quarter of float32's bytes; outputs close to, not equal to,
     float32's); int4 (CPU only) keeps them as 4-bit Q4_1 blocks multiplied by a kernel compiled

@@ -153,6 +153,12 @@ def gguf_source(source: Path) -> Path | None:
     return path if path.is_file() else None
 
 
+def has_q4_layers(source: Path) -> bool:
+    """Whether the GGUF behind `source` stores weight matrices as Q4_0/Q4_1 blocks."""
+    path = gguf_source(source)
+    return path is not None and any(name.endswith(".weight") for name, _, _ in q4_tensors(path))
+
+
 def file_blocks(path: Path, model: CausalLM) -> dict[str, dict[Shard, Q4Blocks]]:
     """The file's Q4_0/Q4_1 linear weights as blocks, by our module name and then by shard;
     q/k rows reordered as the converter reorders them (rows only: blocks run along K)."""

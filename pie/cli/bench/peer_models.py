@@ -17,6 +17,8 @@ TARGETS = {
 }
 # llama.cpp's `general.file_type` numbers (its LLAMA_FTYPE_MOSTLY_* values).
 _FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7}
+_REWRITTEN = ("general.architecture", "general.file_type")
+"""Written by the writer itself, not copied."""
 _KEPT = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 """Tensors stored this way (norms) stay as they are, as llama.cpp's own quantizer does."""
 
@@ -39,11 +41,9 @@ def at_precision(source: Path, precision: str, cache: Path) -> Path:
 def _rewrite(reader: GGUFReader, out: Path, precision: str) -> None:
     arch = str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(out, arch)
+    writer.add_file_type(_FILE_TYPES[precision])
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture",):
-            continue
-        if field.name == "general.file_type":
-            writer.add_file_type(_FILE_TYPES[precision])
+        if field.name.startswith("GGUF.") or field.name in _REWRITTEN:
             continue
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
