@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,11 +99,20 @@ class LlamaModel(nn.Module):
 
     kernels: LayerKernels = TORCH_KERNELS
 
-    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention_cls: type[LlamaAttention],
+        feed_forward: Callable[[ModelConfig, int], nn.Module] | None = None,
+    ) -> None:
+        """`feed_forward(config, layer)`: each layer's feed-forward block (None: the gated MLP)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_layers)
+            LlamaDecoderLayer(
+                config, i, attention_cls, feed_forward(config, i) if feed_forward else None
+            )
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.for_config(config)
@@ -134,10 +144,16 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
+        self.model = self.body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            embeddings = self.model.get_submodule("embed_tokens")
+            assert isinstance(embeddings, nn.Embedding)
+            self.lm_head.weight = embeddings.weight
+
+    def body(self, config: ModelConfig) -> nn.Module:
+        """Embeddings, the decoder stack and the final norm: hidden states from token ids."""
+        return LlamaModel(config, self.attention_cls)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn

@@ -7,13 +7,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pie.drivers.models.base import ModelConfig
-from pie.drivers.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pie.drivers.models.llama import LlamaForCausalLM, LlamaModel
 
 EXPERT_ROLES: dict[str, tuple[str, int]] = {
     "gate": ("gate_up_proj", 0),
@@ -164,14 +163,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     expert_names: Mapping[str, str] = {}
     """The checkpoint's per-expert projection names -> "gate", "up" or "down"."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        # Llama's embeddings, final norm and head around no layers; the layers come next.
-        super().__init__(attrs.evolve(config, num_layers=0))
-        self.config = config
-        self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.attention_cls, self.feed_forward(config, i))
-            for i in range(config.num_layers)
-        )
+    def body(self, config: ModelConfig) -> nn.Module:
+        return LlamaModel(config, self.attention_cls, self.feed_forward)
 
     def feed_forward(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         raise NotImplementedError

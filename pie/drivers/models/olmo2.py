@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pie.drivers.models.base import AttentionFn, CausalLM, ModelConfig, register
+from pie.drivers.models.base import AttentionFn, ModelConfig, register
 from pie.drivers.models.layers import (
     TORCH_KERNELS,
     GatedMLP,
@@ -82,22 +82,8 @@ class Olmo2Model(nn.Module):
 
 
 @register("olmo2")
-class Olmo2ForCausalLM(CausalLM):
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+class Olmo2ForCausalLM(LlamaForCausalLM):
     hf_defaults: dict[str, Any] = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5}
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Olmo2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attention)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def body(self, config: ModelConfig) -> nn.Module:
+        return Olmo2Model(config)
