@@ -8,12 +8,12 @@ adapters, and the OpenAI server serves each as a model of its own."""
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import openai
 import pytest
 import torch
 import trio
@@ -30,6 +30,7 @@ from pie.server.mounts import OPENAI_PREFIX, OPENAI_SERVER, Mounts
 from tests.inferlet_fixtures import GUESTS, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import components_dir
+from tests.test_openai_server import client_for
 from tests.tiny_adapters import ADAPTERS, peft_greedy, peft_logits, peft_model, save_tiny_adapters
 from tests.tiny_models import TINY_TOLERANCE, save_tiny_model
 
@@ -205,14 +206,6 @@ def reference_logprobs(peft: Any, adapter: str | None, tokens: list[int]) -> tor
     return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def fetch(url: str, body: dict[str, Any] | None = None) -> Any:
-    """GET `url`, or POST `body` to it as JSON; the reply's JSON (blocking: run it in a thread)."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        return json.loads(reply.read())
-
-
 async def test_the_openai_server_serves_each_adapter_as_a_model(
     tiny: Any,
     guest_config: EngineConfig,
@@ -227,14 +220,19 @@ async def test_the_openai_server_serves_each_adapter_as_a_model(
         base = engine.info.model_name
         async with trio.open_nursery() as nursery:
             await nursery.start(front.run)
-            url = f"{front.url}{OPENAI_PREFIX}"
+            client = client_for(f"{front.url}{OPENAI_PREFIX}")
+
+            def complete(model: str) -> Any:
+                return client.completions.create(
+                    model=model, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, logprobs=0
+                ).model_dump()
+
             with trio.fail_after(300):
-                listed = await trio.to_thread.run_sync(fetch, f"{url}/models")
+                listed = await trio.to_thread.run_sync(lambda: client.models.list().model_dump())
+                with pytest.raises(openai.NotFoundError, match="does not exist"):
+                    await trio.to_thread.run_sync(complete, "no-such-adapter")
                 for model in [base, "terse", "verbose"]:
-                    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": TOKENS}
-                    completions[model] = await trio.to_thread.run_sync(
-                        fetch, f"{url}/completions", {**body, "temperature": 0, "logprobs": 0}
-                    )
+                    completions[model] = await trio.to_thread.run_sync(complete, model)
             front.stop()
             nursery.cancel_scope.cancel()
         stops = engine.tokenizer.stop_token_ids
