@@ -179,3 +179,15 @@ def _read_back(model: Any, ids: list[int], cache: PagedKvCache) -> torch.Tensor:
             hidden = model(torch.tensor(chunk), torch.arange(start, end), attention)
             logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
+
+
+@pytest.mark.unit
+def test_the_int8_kv_cache_is_refused_off_the_torch_driver_before_any_model_loads() -> None:
+    from pie.config import EngineConfig, with_overrides
+    from pie.drivers import factory
+    from pie.drivers.select import DriverChoice
+
+    config = with_overrides(EngineConfig(), model={"path": "/no/such/model"}, kv={"dtype": "int8"})
+    cuda = DriverChoice(driver="cuda", device="cuda", dtype=torch.bfloat16, reason="")
+    with pytest.raises(ValueError, match="torch driver only"):
+        factory._build(config, cuda)

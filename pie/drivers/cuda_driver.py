@@ -90,8 +90,6 @@ class CudaDriver(TorchDriver):
                     self.graphs.capture()
 
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
-        if shape.dtype == torch.int8:
-            raise ValueError('[kv] dtype = "int8" runs on the torch driver only')
         return PagedKvCache(shape, num_pages + 1, device)
 
     def _prepare(self, batch: ForwardBatch) -> Any:

@@ -37,6 +37,8 @@ def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
 
 
 def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tokenizer]:
+    if config.kv.dtype != "auto" and choice.driver != "torch":
+        raise ValueError(f"[kv] dtype = {config.kv.dtype!r} runs on the torch driver only")
     threads = set_threads(config.driver)
     loaded = load_model(config.model.path, choice.dtype, choice.device)
     # Before int8 conversion, which then converts the base layer inside each wrapped one.
@@ -60,8 +62,6 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         driver = TorchDriver(loaded.model, loaded.config, kv_dtype=_kv_dtype(config), **common)
         _return_freed_memory()
         return driver, loaded.tokenizer
-    if kv.dtype != "auto":
-        raise ValueError(f"[kv] dtype = {kv.dtype!r} runs on the torch driver only")
     from pie.drivers.cuda_driver import CudaDriver
 
     kernels, version = load_flashinfer()
