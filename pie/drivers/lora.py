@@ -19,7 +19,7 @@ from torch import nn
 
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.models.base import CausalLM
-from pie.drivers.models.layers import FusedLinear
+from pie.drivers.models.layers import FusedLinear, SplitOutput
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -246,7 +246,7 @@ class AdapterSelection:
         self.groups: list[tuple[int, torch.Tensor | None]] = []
 
 
-class LoraLinear(nn.Module):
+class LoraLinear(SplitOutput):
     """A linear layer (plain, fused or int8) plus, for each token, its adapter's update
     B (A x), computed for each group of tokens that share an adapter."""
 
@@ -256,7 +256,8 @@ class LoraLinear(nn.Module):
         self.selection = selection
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.split_sizes: list[int] | None = getattr(base, "split_sizes", None)
+        # Only a fused projection's wrapper is ever split.
+        self.split_sizes = list(getattr(base, "split_sizes", []))
         self.slots: set[int] = set()
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -277,10 +278,6 @@ class LoraLinear(nn.Module):
             else:
                 out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
         return out
-
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        assert self.split_sizes is not None, "only a fused projection is split"
-        return tuple(self(x).split(self.split_sizes, dim=-1))
 
 
 class LoraAdapters:

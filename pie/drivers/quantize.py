@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pie.drivers.models.layers import FusedLinear
+from pie.drivers.models.layers import FusedLinear, SplitOutput
 
 _TINY = 1e-12
 _FLOOR = 1e-5
@@ -76,15 +76,12 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features).to(dtype)
 
 
-class Int8FusedLinear(Int8Linear):
+class Int8FusedLinear(Int8Linear, SplitOutput):
     """A FusedLinear (stacked projections) in int8, split the same way."""
 
     def __init__(self, linear: FusedLinear, smoothing: torch.Tensor | None = None) -> None:
         super().__init__(linear, smoothing)
         self.split_sizes = list(linear.split_sizes)
-
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self(x).split(self.split_sizes, dim=-1))
 
 
 def quantize_int8(

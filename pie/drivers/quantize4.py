@@ -26,7 +26,7 @@ from pie.drivers.loader.gguf import _unpermute, hf_name
 from pie.drivers.loader.resolve import COMPLETE_MARKER
 from pie.drivers.loader.safetensors import _route
 from pie.drivers.models.base import CausalLM
-from pie.drivers.models.layers import FusedLinear
+from pie.drivers.models.layers import FusedLinear, SplitOutput
 
 BLOCK = 32
 """Weights per block along a layer's input dimension."""
@@ -105,15 +105,12 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features).to(dtype)
 
 
-class Int4FusedLinear(Int4Linear):
+class Int4FusedLinear(Int4Linear, SplitOutput):
     """A FusedLinear (stacked projections) in int4, split the same way."""
 
     def __init__(self, linear: FusedLinear, blocks: Q4Blocks | None = None) -> None:
         super().__init__(linear, blocks)
         self.split_sizes = list(linear.split_sizes)
-
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self(x).split(self.split_sizes, dim=-1))
 
 
 def quantize_int4(

@@ -145,7 +145,17 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class FusedLinear(nn.Linear):
+class SplitOutput(nn.Module):
+    """A projection whose output stacks several (q/k/v, gate/up): `forward_split` cuts it back
+    into them. Every form of a fused projection (float, int8, int4, LoRA-wrapped) has one."""
+
+    split_sizes: list[int]
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self(x).split(self.split_sizes, dim=-1))
+
+
+class FusedLinear(nn.Linear, SplitOutput):
     """Several projections of the same input stacked along the output dimension.
 
     `shards` maps a checkpoint shard id (e.g. "q", or 0 for gate) to its (offset, size) rows,
@@ -171,9 +181,6 @@ class FusedLinear(nn.Linear):
                 f"shard {shard_id!r}: expected {tuple(target.shape)}, got {tuple(weight.shape)}"
             )
         target.copy_(weight)
-
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self(x).split(self.split_sizes, dim=-1))
 
 
 def qkv_projection(
