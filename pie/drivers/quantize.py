@@ -13,7 +13,7 @@ int8 there moves the logits the most)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -91,17 +91,28 @@ def quantize_int8(
     those named in `keep`; smoothed from a forward pass over the `calibration` token ids when
     given. Returns how many layers it replaced."""
     ranges = _input_ranges(model, calibration) if calibration else {}
+
+    def int8(path: str, linear: nn.Linear) -> nn.Module:
+        smoothing = _smoothing(linear, ranges[path]) if path in ranges else None
+        if isinstance(linear, FusedLinear):
+            return Int8FusedLinear(linear, smoothing)
+        return Int8Linear(linear, smoothing)
+
+    return replace_linears(model, keep, int8)
+
+
+def replace_linears(
+    model: nn.Module, keep: Sequence[str], convert: Callable[[str, nn.Linear], nn.Module]
+) -> int:
+    """Puts `convert(path, layer)` in place of every nn.Linear of `model` whose name is not in
+    `keep`; how many it replaced."""
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if name in keep or not isinstance(child, nn.Linear):
                 continue
-            full = f"{parent_name}.{name}" if parent_name else name
-            smoothing = _smoothing(child, ranges[full]) if full in ranges else None
-            if isinstance(child, FusedLinear):
-                setattr(parent, name, Int8FusedLinear(child, smoothing))
-            else:
-                setattr(parent, name, Int8Linear(child, smoothing))
+            path = f"{parent_name}.{name}" if parent_name else name
+            setattr(parent, name, convert(path, child))
             replaced += 1
     return replaced
 

@@ -27,6 +27,7 @@ from pie.drivers.loader.resolve import COMPLETE_MARKER
 from pie.drivers.loader.safetensors import _route
 from pie.drivers.models.base import CausalLM
 from pie.drivers.models.layers import FusedLinear, SplitOutput
+from pie.drivers.quantize import replace_linears
 
 BLOCK = 32
 """Weights per block along a layer's input dimension."""
@@ -123,20 +124,15 @@ def quantize_int4(
     .gguf file: its Q4_0/Q4_1 tensors are used as they are. Returns how many layers it replaced."""
     gguf_path = gguf_source(source) if source is not None else None
     from_file = file_blocks(gguf_path, model) if gguf_path is not None else {}
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if name in keep or not isinstance(child, nn.Linear):
-                continue
-            full = f"{parent_name}.{name}" if parent_name else name
-            # A LoRA wrapper holds the layer it adapts as `.base`; the file names the layer.
-            blocks = _assemble(child, from_file.get(full.removesuffix(".base"), {}))
-            if isinstance(child, FusedLinear):
-                setattr(parent, name, Int4FusedLinear(child, blocks))
-            else:
-                setattr(parent, name, Int4Linear(child, blocks))
-            replaced += 1
-    return replaced
+
+    def int4(path: str, linear: nn.Linear) -> nn.Module:
+        # A LoRA wrapper holds the layer it adapts as `.base`; the file names the layer.
+        blocks = _assemble(linear, from_file.get(path.removesuffix(".base"), {}))
+        if isinstance(linear, FusedLinear):
+            return Int4FusedLinear(linear, blocks)
+        return Int4Linear(linear, blocks)
+
+    return replace_linears(model, keep, int4)
 
 
 def gguf_source(source: Path) -> Path | None:
