@@ -22,9 +22,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pie.drivers.kernels import q4_ops
-from pie.drivers.loader.gguf import _unpermute, hf_name
+from pie.drivers.loader.gguf import hf_name, unpermute
 from pie.drivers.loader.resolve import COMPLETE_MARKER
-from pie.drivers.loader.safetensors import _route
+from pie.drivers.loader.safetensors import checkpoint_target
 from pie.drivers.models.base import CausalLM
 from pie.drivers.models.layers import FusedLinear, SplitOutput
 from pie.drivers.quantize import replace_linears
@@ -161,8 +161,8 @@ def file_blocks(path: Path, model: CausalLM) -> dict[str, dict[Shard, Q4Blocks]]
         if not gguf_name.endswith(".weight"):
             continue
         name = hf_name(gguf_name, config["model_type"])
-        target, shard = _route(name, model)
-        blocks = gguf_blocks(kind, _unpermute(raw, name, config))
+        target, shard = checkpoint_target(name, model)
+        blocks = gguf_blocks(kind, unpermute(raw, name, config))
         found.setdefault(target.removesuffix(".weight"), {})[shard] = blocks
     return found
 

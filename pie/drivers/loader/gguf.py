@@ -177,10 +177,10 @@ def _restore(weights: np.ndarray, name: str, config: dict[str, Any]) -> np.ndarr
     if config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
         # ggml multiplies by a norm's weight as stored, so Gemma's 1 + w was stored.
         return weights - np.float32(1.0)
-    return _unpermute(weights, name, config)
+    return unpermute(weights, name, config)
 
 
-def _unpermute(weights: np.ndarray, name: str, config: dict[str, Any]) -> np.ndarray:
+def unpermute(weights: np.ndarray, name: str, config: dict[str, Any]) -> np.ndarray:
     """Undo llama.cpp's conversion of llama q/k rows from rotate-half to interleaved pairs.
 
     The converter regrouped each head's rows [half0 | half1] as (row i of half0, row i of half1)

@@ -51,7 +51,7 @@ def load_safetensors(model: CausalLM, folder: Path) -> None:
     for name, tensor in _progress(_read_tensors(checkpoint_files(folder)), folder):
         if _is_ignored(name, model):
             continue
-        target, shard = _route(name, model)
+        target, shard = checkpoint_target(name, model)
         if target not in params:
             unexpected.append(name)
             continue
@@ -90,7 +90,7 @@ def _is_ignored(name: str, model: CausalLM) -> bool:
     return name == "lm_head.weight" and model.config.tie_word_embeddings
 
 
-def _route(name: str, model: CausalLM) -> tuple[str, str | int | None]:
+def checkpoint_target(name: str, model: CausalLM) -> tuple[str, str | int | None]:
     """HF name -> (our parameter name, shard id or None when it is not fused). A model whose
     names a fragment mapping cannot express (per-expert weights) routes them in `route_weight`."""
     routed = model.route_weight(name)
