@@ -30,6 +30,7 @@ class Int8PagedKvCache(PagedKvCache):
         if shape.dtype != torch.int8:
             raise ValueError(f"an int8 KV cache needs an int8 shape, not {shape.dtype}")
         self._value_dtype = value_dtype
+        self._last_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.scales = torch.zeros(
             (shape.num_layers, num_pages, 2, shape.num_kv_heads), dtype=torch.float32, device=device
         )
@@ -49,8 +50,19 @@ class Int8PagedKvCache(PagedKvCache):
         return torch.mul(values, scales.unsqueeze(-1), out=out)
 
     def write(self, layer: int, k_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._write(layer, k_rows, k)
-        self._write(layer, k_rows + self.page_size, v)
+        blocks, which = self._blocks(k_rows)
+        self._write(layer, k_rows, k, blocks, which)
+        # A slot's V block is its K block's neighbour (page * 2 + 1).
+        self._write(layer, k_rows + self.page_size, v, blocks + 1, which)
+
+    def _blocks(self, k_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K blocks (page * 2) the rows fall in, and each row's index among them; worked
+        out once per pass, as every layer writes the same rows (the same tensor)."""
+        if self._last_rows is not None and self._last_rows[0] is k_rows:
+            return self._last_rows[1], self._last_rows[2]
+        blocks, which = torch.unique(k_rows // self.page_size, return_inverse=True)
+        self._last_rows = (k_rows, blocks, which)
+        return blocks, which
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
@@ -62,11 +74,17 @@ class Int8PagedKvCache(PagedKvCache):
         """[pages * 2, heads]: the scale of row r is at r // page_size."""
         return self.scales[layer].view(-1, self.shape.num_kv_heads)
 
-    def _write(self, layer: int, rows: torch.Tensor, x: torch.Tensor) -> None:
+    def _write(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        which: torch.Tensor,
+    ) -> None:
         """Stores x [T, heads, dim] at `rows`, first raising and applying the scales of the
-        (page, kind) blocks the rows fall in where x's magnitude needs it."""
-        size = self.page_size
-        blocks, which = torch.unique(rows // size, return_inverse=True)
+        (page, kind) `blocks` the rows fall in (row i in blocks[which[i]]) where x's magnitude
+        needs it."""
         x = x.float()
         heads = self.shape.num_kv_heads
         peaks = x.abs().amax(-1) / _LEVELS
