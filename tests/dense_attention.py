@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pie.drivers.models.base import PLAIN_ATTENTION, LayerAttention
+from pie.drivers.models.base import PLAIN_ATTENTION, CausalLM, LayerAttention
 
 
 class DenseCausalAttention:
@@ -37,3 +37,13 @@ class DenseCausalAttention:
         scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, v).transpose(0, 1)
+
+
+def dense_logits(
+    model: CausalLM, ids: torch.Tensor, layers: Sequence[LayerAttention] | None = None
+) -> torch.Tensor:
+    """float32 logits of `model` over `ids` as one sequence at positions 0..T-1, through the
+    dense reference with `layers` (None: the model's own per-layer options)."""
+    attention = DenseCausalAttention(model.attention_layers() if layers is None else layers)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.numel()), attention))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from dense_attention import DenseCausalAttention
+from dense_attention import dense_logits
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from torch import nn
@@ -207,10 +207,7 @@ def test_every_architecture_in_int4_computes_its_float_form_on_the_blocks_it_hol
                 blocks = Q4Blocks(layer.packed, layer.scales)
                 same.get_submodule(path).weight.copy_(blocks.dequantize())
     ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        want, got = (
-            m.compute_logits(m(ids, torch.arange(20), DenseCausalAttention())) for m in (same, int4)
-        )
+    want, got = (dense_logits(m, ids) for m in (same, int4))
     assert _relative(got, want) < ROUNDING * 10
 
 
@@ -284,11 +281,7 @@ def test_the_real_model_from_its_own_q4_1_blocks_computes_what_float32_does(
     assert quantize_int4(int4, default_model_dir) == 30 * 4
     ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
     for tokens in (ids, ids[:8]):
-        with torch.inference_mode():
-            want, got = (
-                m.compute_logits(m(tokens, torch.arange(len(tokens)), DenseCausalAttention()))
-                for m in (fp32, int4)
-            )
+        want, got = (dense_logits(m, tokens) for m in (fp32, int4))
         assert _relative(got, want) < 1e-3
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from dense_attention import DenseCausalAttention
+from dense_attention import dense_logits
 from torch import nn
 
 from pie.actors.generate import generate, prompt_ids
@@ -97,9 +97,7 @@ def test_every_architecture_in_int8_stays_near_the_float32_reference(
     left = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
     assert left == ["lm_head"]
     ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        hidden = loaded.model(ids, torch.arange(48), DenseCausalAttention())
-        ours = loaded.model.compute_logits(hidden)
+    ours = dense_logits(loaded.model, ids)
     theirs = reference_logits(reference, ids)
     assert _relative(ours, theirs) < 0.05
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.85
@@ -126,11 +124,7 @@ async def test_the_real_model_in_int8_mostly_predicts_what_float32_does(
     fp32 = load_model(str(default_model_dir), torch.float32, "cpu").model
     int8 = load_model(str(default_model_dir), torch.float32, "cpu").model
     quantize_int8(int8, tokenizer.encode(CALIBRATION))
-    with torch.inference_mode():
-        want, got = (
-            m.compute_logits(m(ids, torch.arange(len(ids)), DenseCausalAttention()))
-            for m in (fp32, int8)
-        )
+    want, got = (dense_logits(m, ids) for m in (fp32, int8))
     agreement = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     print(f"int8 next-token argmax agreeing with float32: {agreement:.3f} over {len(ids)} tokens")
     assert agreement > 0.8

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dense_attention import DenseCausalAttention
+from dense_attention import dense_logits
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pie.drivers.loader import LoadedModel, load_model, resolve
 from pie.drivers.loader.config import model_config_from_hf
-from pie.drivers.models import CausalLM
 from tests.tiny_models import (
     TINY_CASES,
     TINY_SHAPE,
@@ -26,12 +25,6 @@ from tests.tiny_models import (
 pytest_plugins = ("model_fixtures",)
 
 
-def our_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(ids.numel())
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, DenseCausalAttention()))
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("name", list(TINY_CASES))
 def test_tiny_model_matches_transformers(tmp_path: Path, name: str) -> None:
@@ -39,7 +32,7 @@ def test_tiny_model_matches_transformers(tmp_path: Path, name: str) -> None:
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(1))
 
-    ours, theirs = our_logits(loaded.model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(loaded.model, ids), reference_logits(reference, ids)
 
     assert ours.dtype == torch.float32 and ours.shape == (48, VOCAB)
     assert theirs.abs().max() > 0.1, "logits too small to reveal a mismatch"
@@ -57,7 +50,7 @@ def test_bf16_model_gives_float32_logits_near_the_float32_reference(tmp_path: Pa
     loaded = load_model(str(tmp_path), torch.bfloat16, "cpu")
     ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(1))
 
-    ours = our_logits(loaded.model, ids)
+    ours = dense_logits(loaded.model, ids)
 
     buffers = dict(loaded.model.named_buffers())
     assert loaded.model.get_parameter("model.embed_tokens.weight").dtype == torch.bfloat16
@@ -146,7 +139,7 @@ def test_smollm2_logits_match_transformers_gguf(
     text = smollm2.tokenizer.apply_chat_template(PROMPT)
     ids = torch.tensor(smollm2.tokenizer.encode(text))
 
-    ours, theirs = our_logits(smollm2.model, ids), reference_logits(smollm2_reference, ids)
+    ours, theirs = dense_logits(smollm2.model, ids), reference_logits(smollm2_reference, ids)
 
     assert ours.shape == (ids.numel(), 49152)
     assert (ours[-1] - theirs[-1]).abs().max().item() <= SMOLLM2_TOLERANCE

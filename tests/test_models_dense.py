@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import trio
-from dense_attention import DenseCausalAttention
+from dense_attention import dense_logits
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -87,12 +87,6 @@ def _ids(name: str) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(1))
 
 
-def _dense_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    attention = DenseCausalAttention(model.attention_layers())
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(ids.numel()), attention))
-
-
 def _paged_logits(model: CausalLM, ids: torch.Tensor, ends: list[int]) -> torch.Tensor:
     """The sequence fed in passes ending at `ends`, its KV on scattered pages of a cache."""
     c = model.config
@@ -133,7 +127,7 @@ def test_logits_match_transformers_through_dense_attention(tmp_path: Path, name:
     model = load_model(str(tmp_path), torch.float32, "cpu").model
     ids = _ids(name)
 
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
 
     assert theirs.abs().max() > 0.1, "logits too small to reveal a mismatch"
     assert (ours - theirs).abs().max().item() <= TINY_TOLERANCE
@@ -162,7 +156,7 @@ def test_logits_match_transformers_on_the_fused_layer_kernels(tmp_path: Path, na
     model.use_kernels(layer_kernels_for(paged_reference))
     ids = _ids(name)
 
-    ours = _dense_logits(model, ids)
+    ours = dense_logits(model, ids)
 
     assert (ours - reference_logits(reference, ids)).abs().max().item() <= TINY_TOLERANCE
 
@@ -173,8 +167,7 @@ def test_the_mistral_window_changes_what_the_prompt_sees(tmp_path: Path) -> None
     reference = save_tiny_model(tmp_path, CASES["mistral-window-8"])
     model = load_model(str(tmp_path), torch.float32, "cpu").model
     ids = _ids("mistral-window-8")
-    with torch.inference_mode():
-        unwindowed = model.compute_logits(model(ids, torch.arange(48), DenseCausalAttention()))
+    unwindowed = dense_logits(model, ids, ())
     assert (unwindowed - reference_logits(reference, ids)).abs().max().item() > 0.1
 
 
@@ -273,7 +266,7 @@ def test_int8_weights_stay_near_the_float32_reference(tmp_path: Path, name: str)
 
     assert [n for n, m in model.named_modules() if isinstance(m, nn.Linear)] == ["lm_head"]
     ids = _ids(name)
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
     assert ((ours - theirs).norm() / theirs.norm()).item() < 0.05
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.85
 
@@ -350,4 +343,4 @@ def test_phi3_reads_an_older_config_s_top_level_rope_keys(tmp_path: Path) -> Non
     model = load_model(str(tmp_path), torch.float32, "cpu").model
     ids = _ids("phi3-longrope")
 
-    assert (_dense_logits(model, ids) - reference_logits(reference, ids)).abs().max() <= 1e-4
+    assert (dense_logits(model, ids) - reference_logits(reference, ids)).abs().max() <= 1e-4

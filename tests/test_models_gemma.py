@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 import trio
-from dense_attention import DenseCausalAttention
+from dense_attention import dense_logits
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
@@ -24,8 +24,7 @@ from pie.drivers.factory import build_torch_driver
 from pie.drivers.loader import LoadedModel, load_model
 from pie.drivers.loader.config import model_config_from_hf
 from pie.drivers.loader.resolve import packaged_gguf, resolve_model
-from pie.drivers.models import CausalLM, build_model
-from pie.drivers.models.base import LayerAttention
+from pie.drivers.models import build_model
 from pie.drivers.quantize import quantize_int8
 from pie.drivers.tokenizer import Tokenizer
 from pie.drivers.torch_driver import TorchDriver
@@ -74,14 +73,6 @@ def _ids(n: int = PROMPT_LEN, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _dense_logits(
-    model: CausalLM, ids: torch.Tensor, layers: Sequence[LayerAttention] | None = None
-) -> torch.Tensor:
-    attention = DenseCausalAttention(model.attention_layers() if layers is None else layers)
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(ids.numel()), attention))
-
-
 @pytest.fixture(params=list(GEMMA_CASES))
 def tiny(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[torch.nn.Module, Path]:
     """(transformers' model, the folder it was saved to) for one case."""
@@ -94,7 +85,7 @@ def test_tiny_gemma_matches_transformers(tiny: tuple[torch.nn.Module, Path]) -> 
     model = load_model(str(folder), torch.float32, "cpu").model
     ids = _ids()
 
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
 
     assert theirs.abs().max() > 0.1, "logits too small to reveal a mismatch"
     assert (ours - theirs).abs().max().item() <= TINY_TOLERANCE
@@ -122,7 +113,7 @@ def test_each_attention_option_moves_the_logits(tmp_path: Path, option: str) -> 
     ids = _ids()
     without = [attrs.evolve(layer, **{option: None}) for layer in model.attention_layers()]
 
-    moved = (_dense_logits(model, ids) - _dense_logits(model, ids, without)).abs().max()
+    moved = (dense_logits(model, ids) - dense_logits(model, ids, without)).abs().max()
 
     assert moved.item() > 100 * TINY_TOLERANCE
 
@@ -203,7 +194,7 @@ def test_int8_weights_stay_near_the_float32_reference(tmp_path: Path) -> None:
     replaced = quantize_int8(model, calibration)
 
     ids = _ids()
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
     assert replaced == 6 * 4
     # Measured 0.046: six layers of int8 rounding, against 2 in test_int8_weights' 0.05.
     assert float((ours - theirs).norm() / theirs.norm()) < 0.08

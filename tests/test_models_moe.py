@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from dense_attention import DenseCausalAttention
+from dense_attention import dense_logits
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -62,12 +62,6 @@ def _ids(n: int = SEQUENCE_LENGTH, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _dense_logits(model: CausalLM, ids: torch.Tensor, windows: bool = True) -> torch.Tensor:
-    attention = DenseCausalAttention(model.attention_layers() if windows else ())
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(ids.numel()), attention))
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_moe_model_matches_transformers(tmp_path: Path, name: str) -> None:
@@ -75,7 +69,7 @@ def test_moe_model_matches_transformers(tmp_path: Path, name: str) -> None:
     model = load_model(str(tmp_path), torch.float32, "cpu").model
     ids = _ids()
 
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
 
     assert theirs.abs().max() > 0.1, "logits too small to reveal a mismatch"
     assert (ours - theirs).abs().max().item() <= TINY_TOLERANCE
@@ -95,7 +89,7 @@ def test_mixtral_sliding_window_reaches_the_attention(tmp_path: Path) -> None:
     save_tiny_model(tmp_path, MOE_CASES["mixtral-sliding-window"])
     model = load_model(str(tmp_path), torch.float32, "cpu").model
     assert {layer.sliding_window for layer in model.attention_layers()} == {16}
-    windowed, full = _dense_logits(model, _ids()), _dense_logits(model, _ids(), windows=False)
+    windowed, full = dense_logits(model, _ids()), dense_logits(model, _ids(), ())
     assert (windowed[:16] - full[:16]).abs().max() <= 1e-6
     assert (windowed[16:] - full[16:]).abs().max() > 0.01
 
@@ -219,7 +213,7 @@ def test_int8_weights_quantize_attention_and_dense_mlps_and_keep_experts_float(
     experts = [m for m in model.modules() if isinstance(m, ExpertProjection)]
     assert experts and all(m.weight.dtype == torch.float32 for m in experts)
     ids = _ids()
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
     assert ((ours - theirs).norm() / theirs.norm()).item() < 0.05
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.85
 
@@ -268,7 +262,7 @@ def test_experts_stored_stacked_load_like_experts_stored_one_by_one(tmp_path: Pa
     model = load_model(str(tmp_path), torch.float32, "cpu").model
 
     ids = _ids()
-    ours, theirs = _dense_logits(model, ids), reference_logits(reference, ids)
+    ours, theirs = dense_logits(model, ids), reference_logits(reference, ids)
     assert (ours - theirs).abs().max().item() <= TINY_TOLERANCE
 
 
