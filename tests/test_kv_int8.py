@@ -30,7 +30,7 @@ def _shape(dtype: torch.dtype, layers: int = 2, heads: int = 2, dim: int = 8) ->
 
 
 def _int8(shape: KvCacheShape, pages: int, lazy: bool = False) -> Int8PagedKvCache:
-    return Int8PagedKvCache(shape, pages, "cpu", value_dtype=torch.float32, zero_on_first_use=lazy)
+    return Int8PagedKvCache(shape, pages, "cpu", value_dtype=torch.float32, lazy=lazy)
 
 
 def _request(pages: tuple[int, ...], n: int, kv_len: int) -> ForwardRequest:
@@ -94,10 +94,9 @@ def test_a_page_rescales_when_larger_values_arrive() -> None:
 @pytest.mark.unit
 def test_page_copies_carry_scales_and_fresh_pages_start_at_zero() -> None:
     cache = _int8(_shape(torch.int8), 6, lazy=True)
-    cache.kv.fill_(7)
-    cache.scales.fill_(float("nan"))
     cache.prepare([1, 2])
-    assert torch.count_nonzero(cache.scales[:, [1, 2]]) == 0 and cache.used_pages == 3
+    assert torch.count_nonzero(cache.kv) == 0 and torch.count_nonzero(cache.scales) == 0
+    assert cache.used_pages == 3
     cache.write(1, torch.tensor([1 * 2 * PAGE]), torch.ones(1, 2, 8), torch.ones(1, 2, 8) * 3)
     cache.copy_pages(torch.tensor([1]), torch.tensor([2]))
     assert torch.equal(cache.scales[:, 2], cache.scales[:, 1])

@@ -3,6 +3,8 @@ arithmetic that turns (page, offset) slots into rows of a layer's flat K and V v
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +31,14 @@ class KvCacheShape:
         return values
 
 
+def _mapped_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on a fresh anonymous map: unlike the heap, whose freed blocks may already
+    be resident, none of its memory is resident until written. The tensor keeps the map."""
+    count = math.prod(dims)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(dims)
+
+
 def pages_for_budget(budget_bytes: int, shape: KvCacheShape) -> int:
     """How many whole pages fit in `budget_bytes`; raises ValueError when not even one does."""
     pages = budget_bytes // shape.bytes_per_page
@@ -48,11 +58,11 @@ class PagedKvCache:
     layer can be handed to a paged kernel as is. Flattened to rows, the K of slot (page p,
     offset o) is row p * 2 * page_size + o and its V is page_size rows further on.
 
-    With `zero_on_first_use` the pool is allocated without being written, so the memory a page
-    takes becomes resident only once a pass uses it, and `prepare` zeroes each page the first
-    time a pass names it, so that a page's unwritten slots hold zeros, as in a pool zeroed at
-    once, and never whatever the memory held before (a NaN there would survive a zero
-    attention weight). Otherwise the whole pool is zeroed at once.
+    With `lazy` (host memory only) the pool is an anonymous memory map that nothing writes at
+    start: the kernel hands each of its memory pages out zero-filled the first time it is
+    touched, so the memory a KV page takes becomes resident only once a pass uses it, and a
+    page's unwritten slots hold zeros, as in a pool zeroed at once (a NaN left in reused heap
+    memory would survive a zero attention weight). Otherwise the whole pool is zeroed at once.
     """
 
     def __init__(
@@ -61,43 +71,38 @@ class PagedKvCache:
         num_pages: int,
         device: str | torch.device,
         *,
-        zero_on_first_use: bool = False,
+        lazy: bool = False,
     ) -> None:
         self.shape = shape
         self.num_pages = num_pages
-        make = torch.empty if zero_on_first_use else torch.zeros
-        self.kv = make(
-            (shape.num_layers, num_pages, 2, shape.page_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype,
-            device=device,
+        dims = (shape.num_layers, num_pages, 2, shape.page_size, shape.num_kv_heads, shape.head_dim)
+        lazy = lazy and num_pages > 0 and torch.device(device).type == "cpu"
+        self.kv = (
+            _mapped_zeros(dims, shape.dtype)
+            if lazy
+            else torch.zeros(dims, dtype=shape.dtype, device=device)
         )
-        self._unused = bytearray(b"\x01" * num_pages) if zero_on_first_use else None
-        self._first_unused = 0 if zero_on_first_use else num_pages
+        self._unused = bytearray(b"\x01" * num_pages) if lazy else None
+        self._first_unused = 0 if lazy else num_pages
         """Every page below it has been used (the kv actor hands out the lowest ids first, so
         a pass's pages are nearly always below it and the check is one `max`)."""
-        if num_pages:
-            # Padding in a batch's gathers reads page 0 under a zero attention weight, and
-            # zero times a NaN left in unwritten memory would still be NaN.
+        if lazy:
+            # Padding in a batch's gathers reads page 0: it counts as used from the start.
             self.prepare([0])
 
     def prepare(self, pages: Sequence[int]) -> None:
-        """Zeroes, in every layer, the pages among `pages` that no pass has used yet."""
+        """Notes the pages a pass is about to use, for `used_pages` (a lazy pool's resident
+        part)."""
         unused = self._unused
         if unused is None or not pages or max(pages) < self._first_unused:
             return
         fresh = [page for page in set(pages) if unused[page]]
-        if not fresh:
-            return
-        self._zero(torch.tensor(fresh, device=self.kv.device))
         for page in fresh:
             unused[page] = 0
         first = self._first_unused
         while first < self.num_pages and not unused[first]:
             first += 1
         self._first_unused = first
-
-    def _zero(self, pages: torch.Tensor) -> None:
-        self.kv.index_fill_(1, pages, 0)
 
     @property
     def used_pages(self) -> int:

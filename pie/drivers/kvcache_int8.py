@@ -25,7 +25,7 @@ class Int8PagedKvCache(PagedKvCache):
         device: str | torch.device,
         *,
         value_dtype: torch.dtype,
-        zero_on_first_use: bool = False,
+        lazy: bool = False,
     ) -> None:
         if shape.dtype != torch.int8:
             raise ValueError(f"an int8 KV cache needs an int8 shape, not {shape.dtype}")
@@ -34,15 +34,11 @@ class Int8PagedKvCache(PagedKvCache):
         self.scales = torch.zeros(
             (shape.num_layers, num_pages, 2, shape.num_kv_heads), dtype=torch.float32, device=device
         )
-        super().__init__(shape, num_pages, device, zero_on_first_use=zero_on_first_use)
+        super().__init__(shape, num_pages, device, lazy=lazy)
 
     @property
     def value_dtype(self) -> torch.dtype:
         return self._value_dtype
-
-    def _zero(self, pages: torch.Tensor) -> None:
-        super()._zero(pages)
-        self.scales.index_fill_(1, pages, 0)
 
     def gather(self, layer: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         values = torch.index_select(self.layer_rows(layer), 0, rows)

@@ -214,9 +214,9 @@ class TorchDriver:
         lazy = device == "cpu"
         if shape.dtype == torch.int8:
             return Int8PagedKvCache(
-                shape, num_pages, device, value_dtype=self.dtype, zero_on_first_use=lazy
+                shape, num_pages, device, value_dtype=self.dtype, lazy=lazy
             )
-        return PagedKvCache(shape, num_pages, device, zero_on_first_use=lazy)
+        return PagedKvCache(shape, num_pages, device, lazy=lazy)
 
     @staticmethod
     def pages_for_budget(
