@@ -24,18 +24,11 @@ from pie.actors.generate import generate, prompt_ids
 from pie.config import with_overrides
 from pie.drivers import kernels
 from pie.drivers.factory import build_torch_driver
+from pie.drivers.gguf_blocks import Q4_KINDS, Q4Blocks, block_tensors, gguf_blocks, quantize_blocks
 from pie.drivers.kernels import KernelBuildError, build_q4, q4_ops
 from pie.drivers.loader import load_model
 from pie.drivers.models.layers import FusedLinear
-from pie.drivers.quantize4 import (
-    Int4FusedLinear,
-    Int4Linear,
-    Q4Blocks,
-    gguf_blocks,
-    q4_tensors,
-    quantize_blocks,
-    quantize_int4,
-)
+from pie.drivers.quantize4 import Int4FusedLinear, Int4Linear, quantize_int4
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
 from tests.model_fixtures import default_model_dir, real  # noqa: F401  (fixtures)
@@ -58,7 +51,7 @@ VARIANTS = [
     pytest.param("portable", marks=pytest.mark.skipif(not X86, reason="x86 flags")),
 ]
 SHAPES = [(96, 64), (960, 576), (576, 1536), (33, 32), (7, 96)]
-Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
+Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -112,9 +105,9 @@ def test_a_gguf_files_blocks_mean_what_llama_cpp_says_they_mean(
 
 
 @pytest.mark.unit
-def test_the_q4_tensors_are_found_from_the_gguf_index_as_gguf_reads_them(tmp_path: Path) -> None:
+def test_block_tensors_are_found_from_the_gguf_index_as_gguf_reads_them(tmp_path: Path) -> None:
     """Our index walk skips every kind of metadata value (strings, arrays of strings and of
-    numbers, scalars) and yields the Q4 tensors' bytes, one row per output row."""
+    numbers, scalars) and yields the Q4 and Q8_0 tensors' bytes, one row per output row."""
     rng = np.random.default_rng(0)
     path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
@@ -123,16 +116,22 @@ def test_the_q4_tensors_are_found_from_the_gguf_index_as_gguf_reads_them(tmp_pat
     writer.add_string("general.name", "tiny")
     writer.add_float32("some.float", 1.5)
     writer.add_tensor("plain.weight", rng.standard_normal((4, 64)).astype(np.float32))
-    for name, kind, shape in (("zero.weight", Q4_0, (6, 64)), ("one.weight", Q4_1, (3, 2, 96))):
+    tensors = (
+        ("zero.weight", Q4_0, (6, 64)),
+        ("one.weight", Q4_1, (3, 2, 96)),
+        ("eight.weight", Q8_0, (5, 64)),
+    )
+    for name, kind, shape in tensors:
         raw = quantize(rng.standard_normal(shape).astype(np.float32), kind)
         writer.add_tensor(name, raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    theirs = {t.name: t for t in GGUFReader(path).tensors if t.tensor_type in (Q4_0, Q4_1)}
-    ours = {name: (kind, raw) for name, kind, raw in q4_tensors(path)}
-    assert ours.keys() == theirs.keys() == {"zero.weight", "one.weight"}
+    theirs = {t.name: t for t in GGUFReader(path).tensors if t.tensor_type in (Q4_0, Q4_1, Q8_0)}
+    ours = {name: (kind, raw) for name, kind, raw in block_tensors(path)}
+    assert ours.keys() == theirs.keys() == {"zero.weight", "one.weight", "eight.weight"}
+    assert [name for name, _, _ in block_tensors(path, Q4_KINDS)] == ["zero.weight", "one.weight"]
     for name, (kind, raw) in ours.items():
         assert kind == theirs[name].tensor_type
         assert np.array_equal(raw, np.asarray(theirs[name].data).reshape(raw.shape))
@@ -213,10 +212,12 @@ def test_every_architecture_in_int4_computes_its_float_form_on_the_blocks_it_hol
 
 @pytest.mark.unit
 def test_int4_weights_are_refused_off_the_cpu() -> None:
-    from pie.drivers.factory import _quantize
+    from pie.drivers.factory import _weights
+    from pie.drivers.select import DriverChoice
 
+    cuda = DriverChoice(driver="torch", device="cuda", dtype=torch.bfloat16, reason="")
     with pytest.raises(ValueError, match="CPU only"):
-        _quantize(None, "int4", "cuda")
+        _weights(None, "int4", cuda)
 
 
 @pytest.mark.unit

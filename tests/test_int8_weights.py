@@ -105,10 +105,12 @@ def test_every_architecture_in_int8_stays_near_the_float32_reference(
 
 @pytest.mark.unit
 def test_int8_weights_are_refused_off_the_cpu() -> None:
-    from pie.drivers.factory import _quantize
+    from pie.drivers.factory import _weights
+    from pie.drivers.select import DriverChoice
 
+    cuda = DriverChoice(driver="torch", device="cuda", dtype=torch.bfloat16, reason="")
     with pytest.raises(ValueError, match="CPU only"):
-        _quantize(None, "int8", "cuda")
+        _weights(None, "int8", cuda)
 
 
 @pytest.mark.model

@@ -13,7 +13,7 @@ import torch
 
 from pie.config import EngineConfig
 from pie.drivers.base import Driver
-from pie.drivers.loader import load_model
+from pie.drivers.loader import fill_weights, open_model
 from pie.drivers.lora import LoraAdapters, load_adapters
 from pie.drivers.models import CausalLM, ModelConfig
 from pie.drivers.select import DriverChoice, choose_driver, load_flashinfer, pick_device, pick_dtype
@@ -40,10 +40,15 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     if config.kv.dtype != "auto" and choice.driver != "torch":
         raise ValueError(f"[kv] dtype = {config.kv.dtype!r} runs on the torch driver only")
     threads = set_threads(config.driver)
-    loaded = load_model(config.model.path, choice.dtype, choice.device)
-    # Before int8 conversion, which then converts the base layer inside each wrapped one.
+    loaded = open_model(config.model.path, choice.dtype, choice.device)
+    weights = _weights(loaded, config.model.weights, choice)
+    # int4 takes the layers a GGUF file holds as blocks from the file, so the float checkpoint
+    # never fills them and their float32 form never becomes resident.
+    from_file = _file_weights(loaded) if weights == "int4" else None
+    fill_weights(loaded, skip=from_file.skip(loaded.model) if from_file is not None else ())
+    # Before quantizing, which then converts the base layer inside each wrapped one.
     adapters = _adapters(loaded.model, config)
-    weights = _quantize(loaded, config.model.weights, choice.device)
+    said = _quantize(loaded, weights, from_file)
     kv = config.kv
     num_pages = kv.num_pages or _pages_for(config, loaded.config, choice)
     common: dict[str, Any] = dict(
@@ -57,7 +62,7 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         adapters=adapters,
     )
     if choice.driver == "torch":
-        how = f"{weights}{threads} CPU thread{'s' if threads > 1 else ''}"
+        how = f"{said}{threads} CPU thread{'s' if threads > 1 else ''}"
         _announce(loaded.name, choice, how, num_pages, kv.page_size)
         driver = TorchDriver(loaded.model, loaded.config, kv_dtype=_kv_dtype(config), **common)
         _return_freed_memory()
@@ -74,26 +79,39 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     return driver, loaded.tokenizer
 
 
-def _quantize(loaded: Any, weights: str, device: str) -> str:
-    """Applies `[model] weights`; what to say about it at start ("" for the model's dtype)."""
+def _weights(loaded: Any, weights: str, choice: DriverChoice) -> str:
+    """`[model] weights` with "auto" decided: "int4", "int8", or "dtype" (the model's)."""
     if weights == "auto":
-        weights = _auto_weights(loaded, device)
+        weights = _auto_weights(loaded, choice)
     if weights in ("auto", "dtype"):
-        return ""
-    if device != "cpu":
-        raise ValueError(f"[model] weights = {weights!r} runs on the CPU only, not {device}")
+        return "dtype"
+    if choice.device != "cpu":
+        raise ValueError(f"[model] weights = {weights!r} runs on the CPU only, not {choice.device}")
+    return weights
+
+
+def _file_weights(loaded: Any) -> Any:
+    from pie.drivers.quantize4 import FileWeights
+
+    return FileWeights.read(loaded.path, loaded.model)
+
+
+def _quantize(loaded: Any, weights: str, from_file: Any) -> str:
+    """Applies the weights `_weights` chose; what to say about it at start ("" for the dtype)."""
     if weights == "int4":
-        from pie.drivers.quantize4 import quantize_int4
+        from pie.drivers.quantize4 import to_int4
 
-        quantize_int4(loaded.model, loaded.path)
+        to_int4(loaded.model, from_file)
         return "int4 weights, "
-    from pie.drivers.quantize import CALIBRATION, quantize_int8
+    if weights == "int8":
+        from pie.drivers.quantize import CALIBRATION, quantize_int8
 
-    quantize_int8(loaded.model, loaded.tokenizer.encode(CALIBRATION))
-    return "int8 weights, "
+        quantize_int8(loaded.model, loaded.tokenizer.encode(CALIBRATION))
+        return "int8 weights, "
+    return ""
 
 
-def _auto_weights(loaded: Any, device: str) -> str:
+def _auto_weights(loaded: Any, choice: DriverChoice) -> str:
     """int4 where it is exact and faster: a float32 model on the CPU whose GGUF file holds its
     layers as Q4_0/Q4_1 blocks (int4 then computes what the dequantized model computes, at 1.9x
     its batch-1 decode and no slower elsewhere), when the kernel builds with AVX2 or better;
@@ -101,7 +119,7 @@ def _auto_weights(loaded: Any, device: str) -> str:
     from pie.drivers.kernels import KernelBuildError, q4_ops
     from pie.drivers.quantize4 import has_q4_layers
 
-    if device != "cpu" or next(loaded.model.parameters()).dtype != torch.float32:
+    if choice.device != "cpu" or choice.dtype != torch.float32:
         return "auto"
     if not has_q4_layers(loaded.path):
         return "auto"

@@ -9,71 +9,32 @@ group of 32 between its minimum and maximum."""
 
 from __future__ import annotations
 
-import math
-import mmap
-import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from attrs import frozen
-from gguf import GGMLQuantizationType
 from torch import nn
 
+from pie.drivers.gguf_blocks import (
+    Q4_KINDS,
+    Q4Blocks,
+    Q8Blocks,
+    block_tensors,
+    gguf_blocks,
+    quantize_blocks,
+)
 from pie.drivers.kernels import q4_ops
 from pie.drivers.loader.gguf import hf_name, unpermute
 from pie.drivers.loader.resolve import COMPLETE_MARKER
 from pie.drivers.loader.safetensors import checkpoint_target
 from pie.drivers.models.base import CausalLM
 from pie.drivers.models.layers import FusedLinear, SplitOutput
+from pie.drivers.q8_head import embeddings_name, file_tables, head_table, quantize_head
 from pie.drivers.quantize import replace_linears
 
-BLOCK = 32
-"""Weights per block along a layer's input dimension."""
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
-_LEVELS = 15
 Shard = str | int | None
-
-
-@frozen
-class Q4Blocks:
-    """A weight [N, K] as Q4_1 blocks: `packed` uint8 [N, K/2] (in each block's 16 bytes the low
-    nibbles are weights 0..15 and the high nibbles 16..31) and `scales` float16 [N, K/32, 2]
-    (each block's d, then m)."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K] the blocks stand for."""
-        rows, inputs = self.shape
-        nibbles = self.packed.reshape(rows, inputs // BLOCK, BLOCK // 2)
-        levels = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
-        d, m = self.scales.float().unbind(-1)
-        return (levels * d[..., None] + m[..., None]).reshape(rows, inputs)
-
-
-def quantize_blocks(weight: torch.Tensor) -> Q4Blocks:
-    """Q4_1 blocks for a float weight [N, K]: each group of 32 spans its minimum to maximum."""
-    rows, inputs = weight.shape
-    if inputs % BLOCK:
-        raise ValueError(f"int4 weights need in_features divisible by {BLOCK}, not {inputs}")
-    groups = weight.detach().float().reshape(rows, inputs // BLOCK, BLOCK)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = torch.stack([(high - low) / _LEVELS, low], dim=-1).half()
-    if not torch.isfinite(scales).all():
-        raise ValueError("int4 weights: a block's range does not fit float16")
-    # Levels from the float16-rounded d and m, so that rounding them costs no extra error.
-    d, m = scales.float().unbind(-1)
-    levels = ((groups - m[..., None]) / d.clamp(min=1e-30)[..., None]).round_().clamp_(0, _LEVELS)
-    levels = levels.to(torch.uint8)
-    packed = levels[..., : BLOCK // 2] | (levels[..., BLOCK // 2 :] << 4)
-    return Q4Blocks(packed.reshape(rows, inputs // 2).contiguous(), scales.contiguous())
 
 
 class Int4Linear(nn.Module):
@@ -114,16 +75,56 @@ class Int4FusedLinear(Int4Linear, SplitOutput):
         self.split_sizes = list(linear.split_sizes)
 
 
+@frozen
+class FileWeights:
+    """What a GGUF file supplies for a model's int4 form, read before the float weights are:
+    its Q4_0/Q4_1 linear layers as blocks (by module path, then shard) and its Q8_0 embedding
+    and output tables (by module name, `embed_tokens` / `lm_head`)."""
+
+    layers: dict[str, dict[Shard, Q4Blocks]]
+    tables: dict[str, Q8Blocks]
+
+    @classmethod
+    def read(cls, source: Path | None, model: CausalLM) -> FileWeights:
+        """The blocks of the GGUF behind `source` (none when there is no such file)."""
+        path = gguf_source(source) if source is not None else None
+        if path is None:
+            return cls({}, {})
+        return cls(file_blocks(path, model), file_tables(path, model))
+
+    def skip(self, model: CausalLM) -> set[tuple[str, Shard]]:
+        """The (parameter, shard) pairs the float checkpoint need not fill: every shard the file
+        has of a layer, and the embeddings when a tied head will take the file's table."""
+        found = {
+            (f"{path}.weight", shard) for path, shards in self.layers.items() for shard in shards
+        }
+        if head_table(model, self.tables) is not None:
+            tied = model.config.tie_word_embeddings
+            found.add((f"{embeddings_name(model)}.weight" if tied else "lm_head.weight", None))
+        return found
+
+
+def to_int4(model: CausalLM, weights: FileWeights) -> int:
+    """The int4 form of `model`, in place: its decoder's linear layers in Q4_1 blocks and its
+    head (with tied embeddings) in Q8_0 blocks, the file's own where `weights` has them. Returns
+    how many modules it replaced."""
+    return quantize_int4(model, weights=weights) + quantize_head(model, weights.tables)
+
+
 def quantize_int4(
-    model: CausalLM, source: Path | None = None, *, keep: Sequence[str] = ("lm_head",)
+    model: CausalLM,
+    source: Path | None = None,
+    *,
+    keep: Sequence[str] = ("lm_head",),
+    weights: FileWeights | None = None,
 ) -> int:
     """Replaces the linear layers of `model` by their int4 forms, in place, except those named
-    in `keep`: the output head stays in the model's dtype, because it is usually tied to the
-    embeddings (int4 there would add memory, not save it) and its error moves every logit.
-    `source` is the folder the model was loaded from (a GGUF conversion's names its file) or a
-    .gguf file: its Q4_0/Q4_1 tensors are used as they are. Returns how many layers it replaced."""
-    gguf_path = gguf_source(source) if source is not None else None
-    from_file = file_blocks(gguf_path, model) if gguf_path is not None else {}
+    in `keep` (the output head: see q8_head.py). `source` is the folder the model was loaded
+    from (a GGUF conversion's names its file) or a .gguf file, or `weights` what was read from
+    it: its Q4_0/Q4_1 tensors are used as they are. Returns how many layers it replaced."""
+    if weights is None:
+        weights = FileWeights.read(source, model)
+    from_file = weights.layers
 
     def int4(path: str, linear: nn.Linear) -> nn.Module:
         # A LoRA wrapper holds the layer it adapts as `.base`; the file names the layer.
@@ -149,7 +150,9 @@ def gguf_source(source: Path) -> Path | None:
 def has_q4_layers(source: Path) -> bool:
     """Whether the GGUF behind `source` stores weight matrices as Q4_0/Q4_1 blocks."""
     path = gguf_source(source)
-    return path is not None and any(name.endswith(".weight") for name, _, _ in q4_tensors(path))
+    return path is not None and any(
+        name.endswith(".weight") for name, _, _ in block_tensors(path, Q4_KINDS)
+    )
 
 
 def file_blocks(path: Path, model: CausalLM) -> dict[str, dict[Shard, Q4Blocks]]:
@@ -157,7 +160,7 @@ def file_blocks(path: Path, model: CausalLM) -> dict[str, dict[Shard, Q4Blocks]]
     q/k rows reordered as the converter reorders them (rows only: blocks run along K)."""
     config = model.config.raw
     found: dict[str, dict[Shard, Q4Blocks]] = {}
-    for gguf_name, kind, raw in q4_tensors(path):
+    for gguf_name, kind, raw in block_tensors(path, Q4_KINDS):
         if not gguf_name.endswith(".weight"):
             continue
         name = hf_name(gguf_name, config["model_type"])
@@ -165,82 +168,6 @@ def file_blocks(path: Path, model: CausalLM) -> dict[str, dict[Shard, Q4Blocks]]
         blocks = gguf_blocks(kind, unpermute(raw, name, config))
         found.setdefault(target.removesuffix(".weight"), {})[shard] = blocks
     return found
-
-
-def q4_tensors(path: Path) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
-    """A GGUF file's Q4_0/Q4_1 tensors as [rows, bytes per row] arrays over the mapped file,
-    found from its tensor index alone: gguf's GGUFReader parses every metadata value first,
-    which took 2.9 s for the default model's 49152-token vocabulary."""
-    with path.open("rb") as file:
-        data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-    magic, version, tensors, fields = struct.unpack_from("<4sIQQ", data, 0)
-    if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError(f"{path} is not a GGUF file of version 2 or 3")
-    offset, alignment = 24, 32
-    for _ in range(fields):
-        key, offset = _string(data, offset)
-        (kind,) = struct.unpack_from("<I", data, offset)
-        if key == "general.alignment":
-            (alignment,) = struct.unpack_from("<I", data, offset + 4)
-        offset = _skip_value(data, offset + 4, kind)
-    index = []
-    for _ in range(tensors):
-        name, offset = _string(data, offset)
-        (dims,) = struct.unpack_from("<I", data, offset)
-        shape = struct.unpack_from(f"<{dims}Q", data, offset + 4)
-        kind, start = struct.unpack_from("<IQ", data, offset + 4 + 8 * dims)
-        offset += 16 + 8 * dims
-        index.append((name, shape, kind, start))
-    base = -(-offset // alignment) * alignment
-    for name, shape, kind, start in index:
-        if kind in _BLOCK_BYTES:
-            rows, width = math.prod(shape[1:]), shape[0] // BLOCK * _BLOCK_BYTES[kind]
-            raw = np.frombuffer(data, np.uint8, count=rows * width, offset=base + start)
-            yield name, GGMLQuantizationType(kind), raw.reshape(rows, width)
-
-
-_STRING, _ARRAY = 8, 9
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-"""GGUF metadata value types -> bytes (u8, i8, u16, i16, u32, i32, f32, bool, u64, i64, f64)."""
-
-
-def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
-    (size,) = struct.unpack_from("<Q", data, offset)
-    end = offset + 8 + size
-    return data[offset + 8 : end].decode(), end
-
-
-def _skip_value(data: mmap.mmap, offset: int, kind: int) -> int:
-    """The offset past one metadata value of type `kind` that starts at `offset`."""
-    if kind == _STRING:
-        (size,) = struct.unpack_from("<Q", data, offset)
-        return offset + 8 + size
-    if kind == _ARRAY:
-        item, count = struct.unpack_from("<IQ", data, offset)
-        offset += 12
-        if item in _SCALAR_BYTES:
-            return offset + count * _SCALAR_BYTES[item]
-        for _ in range(count):
-            offset = _skip_value(data, offset, item)
-        return offset
-    return offset + _SCALAR_BYTES[kind]
-
-
-def gguf_blocks(kind: GGMLQuantizationType, raw: np.ndarray) -> Q4Blocks:
-    """A GGUF tensor's bytes [N, bytes per row] as blocks: Q4_1 (2 bytes d, 2 bytes m, 16 bytes
-    of nibbles) or Q4_0 (2 bytes d, 16 of nibbles, w = d * (q - 8): m = -8 d, exact in float16
-    as -8 is a power of two)."""
-    size = _BLOCK_BYTES[kind]
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)
-    if kind == GGMLQuantizationType.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)
-    else:
-        m = d * np.float16(-8)
-    scales = np.concatenate([d, m], axis=-1)
-    packed = blocks[..., size - BLOCK // 2 :].reshape(rows, -1)
-    return Q4Blocks(torch.from_numpy(packed.copy()), torch.from_numpy(scales))
 
 
 def _assemble(layer: nn.Linear, pieces: dict[Shard, Q4Blocks]) -> Q4Blocks:

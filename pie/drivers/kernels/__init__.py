@@ -1,6 +1,6 @@
-"""pie's compiled CPU kernels (the 4-bit linear layer): built with torch's C++ extension tools on
-first use into a cache folder keyed by the source, torch's version and the build flags, and
-loaded from there by every later process without a compiler."""
+"""pie's compiled CPU kernels: each C++ source here (SOURCES) is built with torch's C++
+extension tools on first use into a cache folder keyed by the source, torch's version and the
+build flags, and loaded from there by every later process without a compiler."""
 
 from __future__ import annotations
 
@@ -19,9 +19,15 @@ from filelock import FileLock
 
 from pie.config import default_cache_dir
 
-__all__ = ["VARIANTS", "KernelBuildError", "build_q4", "q4_ops"]
+__all__ = ["SOURCES", "VARIANTS", "KernelBuildError", "build_kernels", "build_q4", "q4_ops"]
 
-SOURCE = Path(__file__).with_name("q4_linear.cpp")
+SOURCES: dict[str, tuple[str, str]] = {
+    "q4": ("q4_linear.cpp", "the 4-bit CPU kernel"),
+    "layer": ("layer_ops.cpp", "the fused CPU layer kernels"),
+    "attention": ("decode_attention.cpp", "the CPU paged decode attention kernel"),
+}
+"""Kernel library -> (its C++ source beside this file, what to call it in messages). A source
+registers its ops under the namespace the build passes as PIE_KERNEL_NAMESPACE."""
 VARIANTS: dict[str, tuple[str, ...]] = {
     "native": ("-march=native",),
     # The same machine with its AVX-512 switched off (what most CI runners have) and with no AVX
@@ -44,28 +50,41 @@ def q4_ops(variant: str = "native") -> Any:
 
 
 def build_q4(variant: str, cache_dir: Path) -> Any:
-    """Builds (unless cached) and loads one variant of the 4-bit kernel; its ops namespace.
+    return build_kernels("q4", variant, cache_dir)
+
+
+@functools.cache
+def kernel_ops(library: str, variant: str = "native") -> Any:
+    """The ops namespace of one kernel library (a key of SOURCES), built on first use."""
+    return build_kernels(library, variant, default_cache_dir() / "kernels")
+
+
+def build_kernels(library: str, variant: str, cache_dir: Path) -> Any:
+    """Builds (unless cached) and loads one variant of a kernel library; its ops namespace.
     Once per process and variant: torch refuses a second library for the same namespace."""
-    namespace = f"pie_q4_{variant}"
-    flags = (*_FLAGS, *VARIANTS[variant], f"-DPIE_Q4_NAMESPACE={namespace}")
-    folder = cache_dir / f"q4_linear-{variant}-{_key(flags)}"
+    source = Path(__file__).with_name(SOURCES[library][0])
+    namespace = f"pie_{library}_{variant}"
+    flags = (*_FLAGS, *VARIANTS[variant], f"-DPIE_KERNEL_NAMESPACE={namespace}")
+    folder = cache_dir / f"{source.stem}-{variant}-{_key(source, flags)}"
     folder.mkdir(parents=True, exist_ok=True)
-    library = folder / f"{namespace}.so"
+    library_file = folder / f"{namespace}.so"
     # One process builds, the others wait for it, and the marker says the library is whole (the
     # lock file is not cpp_extension's own "lock", which it creates exclusively and waits on).
     with FileLock(str(folder / "pie-build.lock")):
-        if not ((folder / _DONE).is_file() and library.is_file()):
-            _compile(namespace, flags, folder)
-            (folder / _DONE).write_text(str(library))
+        if not ((folder / _DONE).is_file() and library_file.is_file()):
+            _compile(library, namespace, source, flags, folder)
+            (folder / _DONE).write_text(str(library_file))
     try:
-        torch.ops.load_library(str(library))
+        torch.ops.load_library(str(library_file))
     except OSError as e:
-        raise KernelBuildError(f"cannot load pie's 4-bit kernel {library}: {e}") from e
+        raise KernelBuildError(
+            f"cannot load pie's {SOURCES[library][1]} {library_file}: {e}"
+        ) from e
     return getattr(torch.ops, namespace)
 
 
-def _key(flags: tuple[str, ...]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+def _key(source: Path, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(source.read_bytes())
     digest.update("\0".join((torch.__version__, _cpu(), *flags)).encode())
     return digest.hexdigest()[:16]
 
@@ -81,22 +100,23 @@ def _cpu() -> str:
     return f"{platform.system()} {platform.machine()} {platform.processor()}"
 
 
-def _compile(name: str, flags: tuple[str, ...], folder: Path) -> None:
+def _compile(library: str, name: str, source: Path, flags: tuple[str, ...], folder: Path) -> None:
     _check_toolchain()
     from torch.utils import cpp_extension
 
+    what = SOURCES[library][1]
     started = time.perf_counter()
-    print(f"pie: compiling the 4-bit CPU kernel into {folder} (first use)", file=sys.stderr)
+    print(f"pie: compiling {what} into {folder} (first use)", file=sys.stderr)
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=list(flags),
             build_directory=str(folder),
             is_python_module=False,
         )
     except Exception as e:  # cpp_extension raises bare RuntimeErrors and subprocess errors
-        raise KernelBuildError(f"cannot compile pie's 4-bit CPU kernel: {e}") from e
+        raise KernelBuildError(f"cannot compile pie's {what}: {e}") from e
     print(f"pie: compiled in {time.perf_counter() - started:.1f}s", file=sys.stderr)
 
 
@@ -105,8 +125,9 @@ def _check_toolchain() -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise KernelBuildError(
-            f"[model] weights = 'int4' compiles a small C++ kernel on first use, and the C++ "
-            f"compiler {compiler!r} was not found (install g++, or set CXX to one)"
+            f"pie's CPU kernels (int4 weights, fused layer operations) are compiled from C++ on "
+            f"first use, and the C++ compiler {compiler!r} was not found (install g++, or set "
+            f"CXX to one)"
         )
     _put_ninja_on_path()
     from torch.utils.cpp_extension import include_paths
@@ -114,8 +135,8 @@ def _check_toolchain() -> None:
     headers = [Path(p) / "torch" / "library.h" for p in include_paths()]
     if not any(h.is_file() for h in headers):
         raise KernelBuildError(
-            f"[model] weights = 'int4' compiles a small C++ kernel, and torch's C++ headers are "
-            f"missing (looked for {headers[0]}): install a torch wheel that ships them"
+            f"pie's CPU kernels are compiled from C++, and torch's C++ headers are missing "
+            f"(looked for {headers[0]}): install a torch wheel that ships them"
         )
 
 
@@ -128,7 +149,7 @@ def _put_ninja_on_path() -> None:
         import ninja
     except ImportError:
         raise KernelBuildError(
-            "[model] weights = 'int4' compiles a small C++ kernel with torch's builder, which "
-            "needs ninja (pip install ninja)"
+            "pie's CPU kernels are compiled with torch's builder, which needs ninja "
+            "(pip install ninja)"
         ) from None
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"

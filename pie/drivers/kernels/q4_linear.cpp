@@ -1,7 +1,8 @@
-// y = x W^T on the CPU with W held as 4-bit Q4_1 blocks along its input dimension (llama.cpp's
-// format: 32 weights per block, w = d * q + m, the block's low nibbles are weights 0..15 and its
-// high nibbles 16..31). A few rows of x (decode) are multiplied with each block dequantized in
-// registers; many rows (prefill) go through float chunks of W and torch's matmul.
+// y = x W^T on the CPU with W held in blocks of 32 weights along its input dimension, in one of
+// llama.cpp's formats: Q4_1 (w = d * q + m, q in 0..15; a block's low nibbles are weights 0..15
+// and its high nibbles 16..31) or Q8_0 (w = d * q, q an int8). A few rows of x (decode) are
+// multiplied with each block dequantized in registers; many rows (prefill) go through float
+// chunks of W and torch's matmul.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,13 +27,16 @@ constexpr int64_t kChunkedFrom = 48;  // from here dequantizing + matmul beat ce
 constexpr int64_t kChunkFloats = 1 << 21;  // 8 MB of float32 scratch per chunk of W
 constexpr int64_t kScaleChunk = 64;  // blocks whose scales are widened to float32 at a time
 
-struct Q4Weight {
-  const uint8_t* packed;  // [n, k / 2]
-  const c10::Half* scales;  // [n, k / 32, 2]: d then m for each block
+// A weight [n, k] in format F: `packed` holds F::kBytes bytes per block, `scales` F::kScales
+// float16 values per block.
+template <class F>
+struct Weight {
+  const uint8_t* packed;  // [n, k / 32 * F::kBytes]
+  const c10::Half* scales;  // [n, k / 32, F::kScales]
   int64_t n;
   int64_t k;
-  const uint8_t* row(int64_t i) const { return packed + i * (k / 2); }
-  const c10::Half* row_scales(int64_t i) const { return scales + i * (k / kBlock) * 2; }
+  const uint8_t* row(int64_t i) const { return packed + i * (k / kBlock) * F::kBytes; }
+  const c10::Half* row_scales(int64_t i) const { return scales + i * (k / kBlock) * F::kScales; }
 };
 
 // Each instruction set supplies Vec (kWidth floats), `widen` (float16 scales to float32),
@@ -66,6 +70,13 @@ struct Isa {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     out[0] = _mm512_permutexvar_ps(bytes, table);
     out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+  static void dequant8(const int8_t* q, float d, Vec* out) {
+    const Vec scale = _mm512_set1_ps(d);
+    for (int p = 0; p < 2; ++p) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * p));
+      out[p] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
+    }
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -104,6 +115,13 @@ struct Isa {
       out[p] = _mm256_fmadd_ps(levels, scale, offset);
     }
   }
+  static void dequant8(const int8_t* q, float d, Vec* out) {
+    const Vec scale = _mm256_set1_ps(d);
+    for (int p = 0; p < 4; ++p) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
+      out[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+    }
+  }
 };
 #else
 #define PIE_Q4_FUSED 0
@@ -124,10 +142,29 @@ struct Isa {
       out[j + 16] = d * static_cast<float>(q[j] >> 4) + m;
     }
   }
+  static void dequant8(const int8_t* q, float d, Vec* out) {
+    for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(q[j]);
+  }
 };
 #endif
 
 constexpr int kParts = kBlock / Isa::kWidth;
+
+struct Q4_1 {
+  static constexpr int64_t kBytes = kBlock / 2;
+  static constexpr int64_t kScales = 2;  // d, m
+  static void dequant(const uint8_t* q, const float* s, Isa::Vec* out) {
+    Isa::dequant(q, s[0], s[1], out);
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBytes = kBlock;
+  static constexpr int64_t kScales = 1;  // d
+  static void dequant(const uint8_t* q, const float* s, Isa::Vec* out) {
+    Isa::dequant8(reinterpret_cast<const int8_t*>(q), s[0], out);
+  }
+};
 
 #if PIE_Q4_FUSED
 constexpr int kAccs = 2;  // two accumulator chains per output hide the FMA latency
@@ -143,8 +180,8 @@ constexpr int rows_at_once() {
 // y[r, n0 + j] for R rows of x and NR rows of W, each block dequantized once for all R rows.
 // The blocks' d and m are widened to float32 a chunk at a time, so that the inner loop reads
 // them with plain broadcasts.
-template <int R, int NR>
-void fused_rows(const float* x, const Q4Weight& w, int64_t n0, float* y) {
+template <class F, int R, int NR>
+void fused_rows(const float* x, const Weight<F>& w, int64_t n0, float* y) {
   typename Isa::Vec acc[NR][R][kAccs];
 #pragma GCC unroll 32
   for (int j = 0; j < NR; ++j)
@@ -152,17 +189,18 @@ void fused_rows(const float* x, const Q4Weight& w, int64_t n0, float* y) {
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 32
       for (int a = 0; a < kAccs; ++a) acc[j][r][a] = Isa::zero();
-  float scales[NR][2 * kScaleChunk];
+  constexpr int64_t S = F::kScales;
+  float scales[NR][S * kScaleChunk];
   const int64_t blocks = w.k / kBlock;
   for (int64_t b0 = 0; b0 < blocks; b0 += kScaleChunk) {
     const int64_t count = std::min(kScaleChunk, blocks - b0);
-    for (int j = 0; j < NR; ++j) Isa::widen(w.row_scales(n0 + j) + 2 * b0, 2 * count, scales[j]);
+    for (int j = 0; j < NR; ++j) Isa::widen(w.row_scales(n0 + j) + S * b0, S * count, scales[j]);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t b = b0 + i;
 #pragma GCC unroll 32
       for (int j = 0; j < NR; ++j) {
         typename Isa::Vec block[kParts];
-        Isa::dequant(w.row(n0 + j) + b * (kBlock / 2), scales[j][2 * i], scales[j][2 * i + 1], block);
+        F::dequant(w.row(n0 + j) + b * F::kBytes, scales[j] + S * i, block);
 #pragma GCC unroll 32
         for (int r = 0; r < R; ++r) {
           const float* xs = x + r * w.k + b * kBlock;
@@ -183,43 +221,49 @@ void fused_rows(const float* x, const Q4Weight& w, int64_t n0, float* y) {
     }
 }
 
-template <int R>
-void fused(const float* x, const Q4Weight& w, float* y) {
+template <class F, int R>
+void fused(const float* x, const Weight<F>& w, float* y) {
   constexpr int NR = rows_at_once<R>();
   at::parallel_for(0, w.n, 32, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
-    for (; n + NR <= end; n += NR) fused_rows<R, NR>(x, w, n, y);
-    for (; n < end; ++n) fused_rows<R, 1>(x, w, n, y);
+    for (; n + NR <= end; n += NR) fused_rows<F, R, NR>(x, w, n, y);
+    for (; n < end; ++n) fused_rows<F, R, 1>(x, w, n, y);
   });
 }
 
-void fused_any(const float* x, int64_t rows, const Q4Weight& w, float* y) {
+template <class F>
+void fused_any(const float* x, int64_t rows, const Weight<F>& w, float* y) {
   switch (rows) {
-    case 1: return fused<1>(x, w, y);
-    case 2: return fused<2>(x, w, y);
-    case 3: return fused<3>(x, w, y);
-    case 4: return fused<4>(x, w, y);
-    case 5: return fused<5>(x, w, y);
-    case 6: return fused<6>(x, w, y);
-    case 7: return fused<7>(x, w, y);
-    default: return fused<8>(x, w, y);
+    case 1: return fused<F, 1>(x, w, y);
+    case 2: return fused<F, 2>(x, w, y);
+    case 3: return fused<F, 3>(x, w, y);
+    case 4: return fused<F, 4>(x, w, y);
+    case 5: return fused<F, 5>(x, w, y);
+    case 6: return fused<F, 6>(x, w, y);
+    case 7: return fused<F, 7>(x, w, y);
+    default: return fused<F, 8>(x, w, y);
   }
 }
 
 #endif  // PIE_Q4_FUSED
 
-void dequant_rows(const Q4Weight& w, int64_t begin, int64_t end, float* out) {
+// Rows begin..end of W (or, with `ids`, rows ids[begin..end]) into `out` as float32.
+template <class F>
+void dequant_rows(const Weight<F>& w, int64_t begin, int64_t end, float* out,
+                  const int64_t* ids = nullptr) {
+  constexpr int64_t S = F::kScales;
   const int64_t blocks = w.k / kBlock;
-  float scales[2 * kScaleChunk];
-  for (int64_t n = begin; n < end; ++n) {
-    float* dst = out + (n - begin) * w.k;
+  float scales[S * kScaleChunk];
+  for (int64_t i0 = begin; i0 < end; ++i0) {
+    const int64_t n = ids == nullptr ? i0 : ids[i0];
+    float* dst = out + (i0 - begin) * w.k;
     for (int64_t b0 = 0; b0 < blocks; b0 += kScaleChunk) {
       const int64_t count = std::min(kScaleChunk, blocks - b0);
-      Isa::widen(w.row_scales(n) + 2 * b0, 2 * count, scales);
+      Isa::widen(w.row_scales(n) + S * b0, S * count, scales);
       for (int64_t i = 0; i < count; ++i) {
         typename Isa::Vec block[kParts];
         const int64_t b = b0 + i;
-        Isa::dequant(w.row(n) + b * (kBlock / 2), scales[2 * i], scales[2 * i + 1], block);
+        F::dequant(w.row(n) + b * F::kBytes, scales + S * i, block);
         for (int p = 0; p < kParts; ++p) Isa::store(dst + b * kBlock + p * Isa::kWidth, block[p]);
       }
     }
@@ -229,7 +273,8 @@ void dequant_rows(const Q4Weight& w, int64_t begin, int64_t end, float* out) {
 // y a chunk of W's rows at a time: each chunk is dequantized into a float scratch of a few MB
 // and multiplied in one matmul (small tiles made the matmul re-pack x for every tile and ran
 // 1.6x slower than float32), so W never exists in float32 as a whole.
-at::Tensor chunked(const at::Tensor& x, const Q4Weight& w) {
+template <class F>
+at::Tensor chunked(const at::Tensor& x, const Weight<F>& w) {
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   const int64_t chunk = std::min(w.n, std::max<int64_t>(64, kChunkFloats / w.k));
   at::Tensor scratch = at::empty({chunk, w.k}, x.options());
@@ -245,24 +290,30 @@ at::Tensor chunked(const at::Tensor& x, const Q4Weight& w) {
   return y;
 }
 
-Q4Weight checked_weight(const at::Tensor& packed, const at::Tensor& scales) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "q4 packed weights: expected a contiguous uint8 [N, K/2] tensor");
+template <class F>
+Weight<F> checked_weight(const at::Tensor& packed, const at::Tensor& scales, const char* what) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kByte || packed.scalar_type() == at::kChar),
+              what, " packed weights: expected a contiguous uint8 or int8 [N, bytes] tensor");
   const int64_t n = packed.size(0);
-  const int64_t k = packed.size(1) * 2;
-  TORCH_CHECK(k % kBlock == 0, "q4 weights: K = ", k, " is not a multiple of 32");
+  TORCH_CHECK(packed.size(1) % F::kBytes == 0, what, " packed weights: ", packed.size(1),
+              " bytes per row is not a whole number of ", F::kBytes, "-byte blocks");
+  const int64_t k = packed.size(1) / F::kBytes * kBlock;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({n, k / kBlock, 2}),
-              "q4 scales: expected a contiguous float16 [N, K/32, 2] tensor for N = ", n,
-              ", K = ", k, ", got ", scales.sizes());
-  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), "q4 weights: CPU only");
-  return Q4Weight{packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), n, k};
+                  scales.sizes() == at::IntArrayRef({n, k / kBlock, F::kScales}),
+              what, " scales: expected a contiguous float16 [N, K/32, ", F::kScales,
+              "] tensor for N = ", n, ", K = ", k, ", got ", scales.sizes());
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), what, " weights: CPU only");
+  return Weight<F>{static_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<c10::Half>(),
+                   n, k};
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  const Q4Weight w = checked_weight(packed, scales);
+template <class F>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const char* what) {
+  const Weight<F> w = checked_weight<F>(packed, scales, what);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "q4 linear: expected float32 x of shape [T, ", w.k, "], got ", x.sizes(), " ",
+              what, " linear: expected float32 x of shape [T, ", w.k, "], got ", x.sizes(), " ",
               x.scalar_type());
   const at::Tensor rows = x.contiguous();
   const int64_t t = rows.size(0);
@@ -271,20 +322,50 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
     at::Tensor y = at::empty({t, w.n}, rows.options());
     for (int64_t r = 0; r < t; r += kFusedRows) {
       const int64_t count = std::min(kFusedRows, t - r);
-      fused_any(rows.data_ptr<float>() + r * w.k, count, w, y.data_ptr<float>() + r * w.n);
+      fused_any<F>(rows.data_ptr<float>() + r * w.k, count, w, y.data_ptr<float>() + r * w.n);
     }
     return y;
   }
 #endif
-  return chunked(rows, w);
+  return chunked<F>(rows, w);
+}
+
+template <class F>
+at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const char* what) {
+  const Weight<F> w = checked_weight<F>(packed, scales, what);
+  at::Tensor out = at::empty({w.n, w.k}, packed.options().dtype(at::kFloat));
+  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
+    dequant_rows<F>(w, begin, end, out.data_ptr<float>() + begin * w.k);
+  });
+  return out;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  return linear<Q4_1>(x, packed, scales, "q4");
 }
 
 at::Tensor q4_dequantize(const at::Tensor& packed, const at::Tensor& scales) {
-  const Q4Weight w = checked_weight(packed, scales);
-  at::Tensor out = at::empty({w.n, w.k}, packed.options().dtype(at::kFloat));
-  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
-    dequant_rows(w, begin, end, out.data_ptr<float>() + begin * w.k);
-  });
+  return dequantize<Q4_1>(packed, scales, "q4");
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  return linear<Q8_0>(x, packed, scales, "q8");
+}
+
+at::Tensor q8_dequantize(const at::Tensor& packed, const at::Tensor& scales) {
+  return dequantize<Q8_0>(packed, scales, "q8");
+}
+
+// Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in a Q8_0 table.
+at::Tensor q8_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& ids) {
+  const Weight<Q8_0> w = checked_weight<Q8_0>(packed, scales, "q8");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "q8 rows: expected int64 ids [T]");
+  const at::Tensor index = ids.contiguous();
+  const int64_t* rows = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.size(0); ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < w.n, "q8 rows: id ", rows[i], " is out of range [0, ", w.n, ")");
+  at::Tensor out = at::empty({index.size(0), w.k}, packed.options().dtype(at::kFloat));
+  dequant_rows<Q8_0>(w, 0, index.size(0), out.data_ptr<float>(), rows);
   return out;
 }
 
@@ -294,9 +375,12 @@ std::string q4_isa() { return Isa::kName; }
 
 // The namespace comes from the build (one per instruction-set variant), so that variants built
 // side by side can be loaded into one process.
-#define PIE_Q4_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-PIE_Q4_LIBRARY(PIE_Q4_NAMESPACE, m) {
+#define PIE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+PIE_LIBRARY(PIE_KERNEL_NAMESPACE, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor scales) -> Tensor", &q4_linear);
   m.def("dequantize(Tensor packed, Tensor scales) -> Tensor", &q4_dequantize);
+  m.def("linear8(Tensor x, Tensor packed, Tensor scales) -> Tensor", &q8_linear);
+  m.def("dequantize8(Tensor packed, Tensor scales) -> Tensor", &q8_dequantize);
+  m.def("rows8(Tensor packed, Tensor scales, Tensor ids) -> Tensor", &q8_rows);
   m.def("isa() -> str", &q4_isa);
 }

@@ -4,6 +4,7 @@ weights and open its tokenizer."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from pie.drivers.loader.safetensors import load_safetensors
 from pie.drivers.models import CausalLM, ModelConfig, build_model
 from pie.drivers.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "load_model", "resolve_model"]
+__all__ = ["LoadedModel", "fill_weights", "load_model", "open_model", "resolve_model"]
 
 
 @frozen(kw_only=True)
@@ -29,20 +30,32 @@ class LoadedModel:
     """The HF-style folder it was loaded from."""
 
 
-def load_model(spec: str | None, dtype: torch.dtype, device: str) -> LoadedModel:
-    """spec: None or the default alias, a .gguf file, or an HF folder (see `resolve_model`)."""
+def open_model(spec: str | None, dtype: torch.dtype, device: str) -> LoadedModel:
+    """The model of `spec` built with its weights not yet filled (`fill_weights` fills them),
+    so that a caller can supply some of them in another form first; and its tokenizer."""
     path = resolve_model(spec)
     config = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    model = build_model(config, dtype, device)
-    load_safetensors(model, path)
-    model.eval()
     return LoadedModel(
         name=_display_name(spec),
         config=config,
-        model=model,
+        model=build_model(config, dtype, device),
         tokenizer=Tokenizer.from_folder(path, config.eos_token_ids),
         path=path,
     )
+
+
+def fill_weights(loaded: LoadedModel, skip: Collection[tuple[str, str | int | None]] = ()) -> None:
+    """Copies the checkpoint's weights in and sets eval mode; the (parameter, shard) pairs in
+    `skip` are neither read nor written: the caller supplies those layers itself."""
+    load_safetensors(loaded.model, loaded.path, skip)
+    loaded.model.eval()
+
+
+def load_model(spec: str | None, dtype: torch.dtype, device: str) -> LoadedModel:
+    """spec: None or the default alias, a .gguf file, or an HF folder (see `resolve_model`)."""
+    loaded = open_model(spec, dtype, device)
+    fill_weights(loaded)
+    return loaded
 
 
 def _display_name(spec: str | None) -> str:

@@ -5,7 +5,7 @@ a projection the checkpoint stores fused already (Phi-3) whole."""
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -43,14 +43,19 @@ def checkpoint_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in {folder}")
 
 
-def load_safetensors(model: CausalLM, folder: Path) -> None:
-    """Fill every parameter of model from folder; ValueError lists missing or unexpected ones."""
+def load_safetensors(
+    model: CausalLM, folder: Path, skip: Collection[tuple[str, str | int | None]] = ()
+) -> None:
+    """Fill every parameter of model from folder, except the (parameter, shard) pairs in `skip`,
+    which are not even read; ValueError lists missing or unexpected ones."""
     params = dict(model.named_parameters())
-    loaded: set[tuple[str, str | int | None]] = set()
+    loaded: set[tuple[str, str | int | None]] = set(skip)
+
+    def wanted(name: str) -> bool:
+        return not _is_ignored(name, model) and checkpoint_target(name, model) not in loaded
+
     unexpected: list[str] = []
-    for name, tensor in _progress(_read_tensors(checkpoint_files(folder)), folder):
-        if _is_ignored(name, model):
-            continue
+    for name, tensor in _progress(_read_tensors(checkpoint_files(folder), wanted), folder):
         target, shard = checkpoint_target(name, model)
         if target not in params:
             unexpected.append(name)
@@ -65,10 +70,12 @@ def load_safetensors(model: CausalLM, folder: Path) -> None:
         )
 
 
-def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(
+    files: list[Path], wanted: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            names = list(f.keys())
+            names = [name for name in f.keys() if wanted(name)]
         for name in names:
             # One mapping per tensor: the file's pages leave this process's resident memory
             # as each closes, instead of adding the whole file to the peak (465 MB measured
