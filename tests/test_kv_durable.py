@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from attrs import evolve
 
 from pie.actors.kv.context import Chain
 from pie.actors.kv.durable import SnapshotRecord, SnapshotStore
@@ -298,3 +299,60 @@ async def test_a_damaged_record_does_not_stop_the_engine_from_starting(tmp_path:
             async with engine.requester() as r:
                 info = await r.describe(await r.open("draft", user="alice"))
     assert (info.tokens, info.masked_pages) == ((10, 11, 12), (0,))
+
+
+@pytest.mark.unit
+def test_a_record_keeps_the_adapter_each_run_of_tokens_went_through(tmp_path: Path) -> None:
+    chain = Chain(owner="snapshot:alice", tokens=list(range(9)), positions=list(range(9)))
+    chain.run_adapter(0, None)
+    chain.run_adapter(2, "sql")
+    chain.run_adapter(4, "sql")
+    chain.run_adapter(6, None)
+    taken = SnapshotRecord.of("alice", "s", chain)
+    assert taken.adapters == ((2, "sql"), (6, None))
+    assert taken.segments() == [(0, 2, None), (2, 6, "sql"), (6, 9, None)]
+    store = SnapshotStore(tmp_path)
+    store.write(taken)
+    assert store.read_all() == [taken]
+    chain.cut_adapter_runs(6)
+    assert chain.adapter_runs == [(2, "sql")]
+    assert record().segments() == [(0, 6, None)] and b"adapters" not in record().encode()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("runs", ['"sql"', "[[1]]", '[["1", "sql"]]', "[[1, 2]]"])
+def test_a_record_with_malformed_adapter_runs_is_refused(runs: str) -> None:
+    body = record().encode().decode().removesuffix("}") + f',"adapters":{runs}}}'
+    with pytest.raises(ValueError, match="adapters must be"):
+        SnapshotRecord.decode(body.encode())
+
+
+@pytest.mark.integration
+async def test_a_snapshot_is_rebuilt_through_the_adapters_its_tokens_ran_through(
+    tmp_path: Path,
+) -> None:
+    def adapted() -> SyntheticDriver:
+        synthetic = driver()
+        synthetic.info = evolve(synthetic.info, adapters=("sql",))
+        return synthetic
+
+    runs = [([20, 21, 22], None), ([23, 24, 25, 26], "sql"), ([27, 28], None)]
+    with trio.fail_after(20):
+        async with open_engine(engine_config(tmp_path), driver=adapted()) as engine:
+            async with engine.requester() as r:
+                context = await r.create_context(user="alice")
+                for tokens, adapter in runs:
+                    await r.forward(context, tokens, adapter=adapter)
+                await r.save(context, "draft", user="alice")
+        # Started without the adapter: the snapshot cannot be rebuilt and its record is kept.
+        async with open_engine(engine_config(tmp_path), driver=driver()) as engine:
+            assert engine.statistics().kv.snapshots == 0
+        rebuilt = adapted()
+        async with open_engine(engine_config(tmp_path), driver=rebuilt) as engine:
+            assert engine.statistics().kv.snapshots == 1
+    passes = [
+        (b.token_ids[b.qo_indptr[i] : b.qo_indptr[i + 1]], b.adapters[i])
+        for b in rebuilt.batches
+        for i in range(b.num_requests)
+    ]
+    assert passes == runs

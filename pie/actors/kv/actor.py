@@ -86,12 +86,14 @@ class KvActor(CoreActor):
 
 
 async def rebuild(requester: Requester, record: SnapshotRecord) -> None:
-    """Saves `record`'s snapshot again: its tokens in one pass at their positions (the scheduler
-    chunks a long one), then its masked and released pages, on a context destroyed afterwards."""
+    """Saves `record`'s snapshot again: its tokens at their positions, one pass per run of
+    tokens through the adapter they ran through (the scheduler chunks a long one), then its
+    masked and released pages, on a context destroyed afterwards."""
     context = await requester.create_context(user=record.user)
     try:
-        if record.tokens:
-            await requester.forward(context, record.tokens, positions=record.positions)
+        for start, end, adapter in record.segments():
+            tokens, positions = record.tokens[start:end], record.positions[start:end]
+            await requester.forward(context, tokens, positions=positions, adapter=adapter)
         if record.masked:
             await requester.mask_pages(context, record.masked)
         if record.released:

@@ -37,6 +37,10 @@ class Chain:
     """The lease the fast path runs this context's plain decodes on, if any."""
     adapter: str | None = None
     """The LoRA adapter the last pass ran through: the salt changes when the next one differs."""
+    adapter_runs: list[tuple[int, str | None]] = field(factory=list)
+    """(first token, adapter) where the adapter the tokens ran through changes; tokens before
+    the first run ran through the base model. A durable snapshot rebuilds each run through its
+    own adapter."""
 
     def copy(self, owner: str) -> Chain:
         """The same tokens over the same pages (the caller counts the new owner in the pool),
@@ -52,6 +56,7 @@ class Chain:
             masked=set(self.masked),
             salt=self.salt,
             adapter=self.adapter,
+            adapter_runs=list(self.adapter_runs),
         )
 
     def held(self) -> list[int]:
@@ -79,7 +84,18 @@ class Chain:
             tuple(self.reserved),
             self.lease,
             self.adapter,
+            tuple(self.adapter_runs),
         )
+
+    def run_adapter(self, start: int, adapter: str | None) -> None:
+        """Notes that the tokens from `start` run through `adapter`."""
+        current = self.adapter_runs[-1][1] if self.adapter_runs else None
+        if adapter != current:
+            self.adapter_runs.append((start, adapter))
+
+    def cut_adapter_runs(self, length: int) -> None:
+        """Forgets the runs that begin at or after `length` (the tokens there are gone)."""
+        self.adapter_runs = [run for run in self.adapter_runs if run[0] < length]
 
 
 @define

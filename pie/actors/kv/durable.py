@@ -1,5 +1,6 @@
 """Named snapshots kept on disk so that they outlive the process: one JSON record per snapshot
-holding what rebuilds it (its user, name, tokens, positions, masked and released pages), each
+holding what rebuilds it (its user, name, tokens, positions, the LoRA adapter each run of
+tokens went through, masked and released pages), each
 written atomically (a temporary file, fsync, rename, fsync of the folder) so a kill leaves the
 old record or the new one, never half of one."""
 
@@ -22,8 +23,8 @@ log = logging.getLogger(__name__)
 
 @frozen(kw_only=True)
 class SnapshotRecord:
-    """What a snapshot's KV is recomputed from: its tokens, run at their positions, with the
-    recorded pages masked (and released) afterwards."""
+    """What a snapshot's KV is recomputed from: its tokens, run at their positions through the
+    adapters they ran through, with the recorded pages masked (and released) afterwards."""
 
     user: str
     name: str
@@ -31,6 +32,15 @@ class SnapshotRecord:
     positions: tuple[int, ...]
     masked: tuple[int, ...] = ()
     released: tuple[int, ...] = ()
+    adapters: tuple[tuple[int, str | None], ...] = ()
+    """(first token, adapter) where the adapter changes (see Chain.adapter_runs)."""
+
+    def segments(self) -> list[tuple[int, int, str | None]]:
+        """(start, end, adapter) for each run of tokens, in order, empty runs left out."""
+        starts: list[tuple[int, str | None]] = [(0, None), *self.adapters]
+        ends = [*(start for start, _ in starts[1:]), len(self.tokens)]
+        runs = [(start, end, name) for (start, name), end in zip(starts, ends, strict=True)]
+        return [run for run in runs if run[1] > run[0]]
 
     @classmethod
     def of(cls, user: str, name: str, chain: Chain) -> SnapshotRecord:
@@ -41,6 +51,7 @@ class SnapshotRecord:
             positions=tuple(chain.positions),
             masked=tuple(sorted(chain.masked)),
             released=tuple(chain.released()),
+            adapters=tuple(chain.adapter_runs),
         )
 
     def encode(self) -> bytes:
@@ -52,6 +63,8 @@ class SnapshotRecord:
             "masked": list(self.masked),
             "released": list(self.released),
         }
+        if self.adapters:
+            body["adapters"] = [list(run) for run in self.adapters]
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -59,8 +72,9 @@ class SnapshotRecord:
         """Raises ValueError on anything but a whole, consistent record."""
         body: Any = json.loads(data)
         keys = {"user", "name", "tokens", "positions", "masked"}
-        # Records written before pages could be released have no "released".
-        if not isinstance(body, dict) or not keys <= set(body) <= keys | {"released"}:
+        # "released" and "adapters" are left out by older records, and "adapters" by one whose
+        # tokens all ran through the base model.
+        if not isinstance(body, dict) or not keys <= set(body) <= keys | {"released", "adapters"}:
             raise ValueError("not a snapshot record")
         user, name = body["user"], body["name"]
         if not isinstance(user, str) or not isinstance(name, str):
@@ -72,10 +86,24 @@ class SnapshotRecord:
             positions=_ints(body["positions"], "positions"),
             masked=_ints(body["masked"], "masked"),
             released=_ints(body.get("released", []), "released"),
+            adapters=_runs(body.get("adapters", [])),
         )
         if len(record.tokens) != len(record.positions):
             raise ValueError(f"{len(record.tokens)} tokens but {len(record.positions)} positions")
         return record
+
+
+def _runs(value: Any) -> tuple[tuple[int, str | None], ...]:
+    runs = value if isinstance(value, list) else None
+    if runs is None or not all(
+        isinstance(run, list)
+        and len(run) == 2
+        and type(run[0]) is int
+        and (run[1] is None or isinstance(run[1], str))
+        for run in runs
+    ):
+        raise ValueError("adapters must be a list of [first token, adapter name or null]")
+    return tuple((run[0], run[1]) for run in runs)
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:

@@ -59,6 +59,7 @@ class PassPlacement(KvState):
         parked = park_surplus(chain, len(reused))
         chain.salt = salt
         chain.adapter = event.adapter
+        chain.run_adapter(old_length, event.adapter)
         chain.tokens.extend(event.tokens)
         chain.positions.extend(positions)
         chain.in_flight = event.corr
@@ -193,6 +194,7 @@ class PassPlacement(KvState):
         chain.written = min(chain.written, flight.old_length)
         chain.salt = flight.old_salt
         chain.adapter = flight.old_adapter
+        chain.cut_adapter_runs(flight.old_length)
         taken = list(flight.added_pages)
         for page in [*flight.added_pages, *flight.reused]:
             chain.pages.remove(page)
