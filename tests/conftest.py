@@ -18,6 +18,18 @@ TIERS = ("unit", "integration", "model", "security")
 REAL_MODEL_FIXTURES = frozenset({"real", "default_model_dir", "tokenizer", "default_gguf"})
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Builds pie's compiled CPU kernels once, before any test runs, so that no test with a
+    deadline pays for a first compile (seconds each on a small machine; cached afterwards)."""
+    from pie.drivers.kernels import SOURCES, KernelBuildError, kernel_ops
+
+    for library in SOURCES:
+        try:
+            kernel_ops(library)
+        except KernelBuildError:
+            pass  # the tests that need a kernel say why it is missing
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):

@@ -1,5 +1,6 @@
 """Paged attention for one batch on plain torch: index tensors and masks built once per batch,
-then for every layer a KV write and one padded scaled_dot_product_attention per request group."""
+then for every layer a KV write and one padded scaled_dot_product_attention per request group
+(decode groups on a float32 CPU cache go to a kernel that reads the pages in place instead)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from attrs import frozen
 
 from pie.drivers.batch import ForwardBatch
+from pie.drivers.decode_attention import DecodePages, decode_attention, reads_in_place
 from pie.drivers.kvcache import PagedKvCache
 from pie.drivers.models.base import PLAIN_ATTENTION, LayerAttention
 from pie.events.sampling import Rle
@@ -52,7 +54,8 @@ class _Group:
     (padding points at row 0 and is masked); masks: the visibility for each sliding window the
     model's layers use (None: the full causal kind); keys, values: gather buffers [B * L, ...]
     reused by every layer, because a fresh multi-MB tensor per layer costs page faults on the
-    CPU (measured: 1.2 ms per decode layer became 5 ms).
+    CPU (measured: 1.2 ms per decode layer became 5 ms). A decode group that the kernel attends
+    in place has `pages` instead, and no masks or buffers.
     """
 
     batch: int
@@ -64,6 +67,7 @@ class _Group:
     masks: dict[int | None, _Mask]
     keys: torch.Tensor
     values: torch.Tensor
+    pages: DecodePages | None = None
 
 
 class _GroupBuilder:
@@ -86,12 +90,15 @@ class _GroupBuilder:
         b = self.batch
         return b.kv_page_indices[b.kv_page_indptr[r] : b.kv_page_indptr[r + 1]]
 
-    def k_rows(self) -> torch.Tensor:
-        """[B, L] cache row of each request's slot j."""
+    def page_table(self) -> torch.Tensor:
+        """[B, P] each request's first P pages in order, padded with page 0."""
         width = self.num_pages
         table = [(self.pages(r)[:width] + [0] * width)[:width] for r in self.requests]
-        pages = torch.tensor(table, dtype=torch.long)
-        return pages[:, self.slot_page] * (2 * self.page_size) + self.slot % self.page_size
+        return torch.tensor(table, dtype=torch.long)
+
+    def k_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """[B, L] cache row of each request's slot j."""
+        return table[:, self.slot_page] * (2 * self.page_size) + self.slot % self.page_size
 
     def token_slots(self) -> torch.Tensor:
         """[B, n] kv slot of each new token."""
@@ -116,10 +123,20 @@ class _GroupBuilder:
                 seen[i] &= rle_rows(custom, self.width)
         return seen
 
-    def gather_buffer(self, device: torch.device) -> torch.Tensor:
+    def gather_buffer(self, device: torch.device, empty: bool = False) -> torch.Tensor:
         shape = self.cache_shape
-        size = (len(self.requests) * self.width, shape.num_kv_heads, shape.head_dim)
+        rows = 0 if empty else len(self.requests) * self.width
+        size = (rows, shape.num_kv_heads, shape.head_dim)
         return torch.empty(size, dtype=self.value_dtype, device=device)
+
+    def decode_pages(self, table: torch.Tensor, visible: torch.Tensor) -> DecodePages:
+        """What the in-place kernel reads; `visible` [B, 1, L] goes along only when some slot
+        below a request's kv_len is hidden (a masked page, a custom mask)."""
+        b = self.batch
+        hidden = any(b.masked_pages[r] or b.attention_masks[r] is not None for r in self.requests)
+        return DecodePages(
+            table=table, kv_lens=self.kv_lens, visible=visible[:, 0] if hidden else None
+        )
 
     def plain_causal(self) -> bool:
         """Fresh prefills with no masks: SDPA's own causal mask is exactly right."""
@@ -144,17 +161,21 @@ class _GroupBuilder:
         )
 
     def build(
-        self, device: torch.device, windows: set[int | None]
+        self, device: torch.device, windows: set[int | None], in_place: bool
     ) -> tuple[_Group, torch.Tensor, torch.Tensor]:
-        """The group, its flat token indices, and the K rows those tokens are written to."""
-        k_rows = self.k_rows()
+        """The group, its flat token indices, and the K rows those tokens are written to. With
+        `in_place` (a CPU cache the kernel reads) a decode group carries its pages instead of
+        gather rows, masks and buffers."""
+        table = self.page_table()
+        k_rows = self.k_rows(table)
         visible = self.visible()
         starts = torch.tensor([self.batch.qo_indptr[r] for r in self.requests])
         tokens = (starts[:, None] + torch.arange(self.n)[None, :]).reshape(-1)
         write_rows = k_rows.gather(1, self.token_slots()).reshape(-1)
+        pages = self.decode_pages(table, visible) if in_place and self.n == 1 else None
         causal = self.plain_causal()
         masks = {}
-        for window in windows:
+        for window in windows if pages is None else ():
             seen = self.windowed(visible, window)
             masks[window] = self.mask(seen, causal and seen is visible, device)
         group = _Group(
@@ -165,8 +186,9 @@ class _GroupBuilder:
             k_rows=k_rows.reshape(-1).to(device),
             v_rows=(k_rows + self.page_size).reshape(-1).to(device),
             masks=masks,
-            keys=self.gather_buffer(device),
-            values=self.gather_buffer(device),
+            keys=self.gather_buffer(device, empty=pages is not None),
+            values=self.gather_buffer(device, empty=pages is not None),
+            pages=pages,
         )
         return group, tokens, write_rows
 
@@ -188,6 +210,9 @@ class PagedAttention:
     mask broadcasts over them), which on this CPU beat enable_gqa=True 6x in bf16, tied it in
     fp32, and beat repeat_interleave of K/V 2x; multi-token groups use enable_gqa=True, as
     folding would need a mask tiled per query head and was no faster for prefill.
+
+    On a float32 CPU cache, decode groups skip all that: a compiled kernel reads each request's
+    pages where they lie (`in_place_decode=False` keeps the gather, as on other caches).
     """
 
     def __init__(
@@ -195,14 +220,18 @@ class PagedAttention:
         batch: ForwardBatch,
         cache: PagedKvCache,
         layers: Sequence[LayerAttention] = (),
+        *,
+        in_place_decode: bool = True,
     ) -> None:
         self.cache = cache
         self.layers = tuple(layers)
         windows = {spec.sliding_window for spec in self.layers} | {None}
+        in_place = in_place_decode and reads_in_place(cache)
         self.groups: list[_Group] = []
         write_rows = torch.zeros(batch.num_tokens, dtype=torch.long)
         for requests in _group_requests(batch):
-            group, tokens, rows = _GroupBuilder(batch, cache, requests).build(cache.device, windows)
+            builder = _GroupBuilder(batch, cache, requests)
+            group, tokens, rows = builder.build(cache.device, windows, in_place)
             write_rows[tokens] = rows
             self.groups.append(group)
         self.write_rows = write_rows.to(cache.device)
@@ -220,6 +249,8 @@ class PagedAttention:
         return out
 
     def _attend(self, g: _Group, q: torch.Tensor, layer: int, spec: LayerAttention) -> torch.Tensor:
+        if g.pages is not None:
+            return decode_attention(self.cache, layer, q.index_select(0, g.tokens), g.pages, spec)
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = self.cache.shape.num_kv_heads
         qg = q.index_select(0, g.tokens).view(g.batch, g.new_tokens, heads, dim).transpose(1, 2)

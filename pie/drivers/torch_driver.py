@@ -15,6 +15,8 @@ from attrs import frozen
 from pie.drivers.attention import PagedAttention, rle_rows
 from pie.drivers.base import DriverError, DriverInfo
 from pie.drivers.batch import ForwardBatch
+from pie.drivers.cpu_layers import cpu_layer_kernels
+from pie.drivers.decode_attention import reads_in_place
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
 from pie.drivers.kvcache_int8 import Int8PagedKvCache
 from pie.drivers.lora import LoraAdapters
@@ -163,7 +165,8 @@ class TorchDriver:
     seeds the generator of sampler slots that bring no seed of their own. Every pass runs
     under inference_mode, and a batch is fully validated (and its masks built) before the
     first KV page is touched. `adapters`: LoRA adapters already applied to the model, which a
-    request may name.
+    request may name. A float32 model on the CPU runs its norms and rotary embedding on pie's
+    compiled layer kernels (cpu_layers).
     """
 
     def __init__(
@@ -184,6 +187,8 @@ class TorchDriver:
     ) -> None:
         self.model = model
         self.dtype = dtype
+        if device == "cpu" and dtype == torch.float32:
+            model.use_kernels(cpu_layer_kernels())
         self.adapters = adapters
         self.attention_layers = model.attention_layers()
         self._model_bytes: int | None = None
@@ -202,6 +207,8 @@ class TorchDriver:
         )
         shape = _cache_shape(config, page_size, kv_dtype or dtype)
         self.cache = self._new_cache(shape, num_pages, device)
+        # Builds (or loads) the decode attention kernel now, at start, not in the first pass.
+        reads_in_place(self.cache)
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
@@ -213,9 +220,7 @@ class TorchDriver:
         # On the CPU the pool stays unwritten (not resident) until passes use its pages.
         lazy = device == "cpu"
         if shape.dtype == torch.int8:
-            return Int8PagedKvCache(
-                shape, num_pages, device, value_dtype=self.dtype, lazy=lazy
-            )
+            return Int8PagedKvCache(shape, num_pages, device, value_dtype=self.dtype, lazy=lazy)
         return PagedKvCache(shape, num_pages, device, lazy=lazy)
 
     @staticmethod

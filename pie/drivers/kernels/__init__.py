@@ -43,10 +43,10 @@ class KernelBuildError(RuntimeError):
     """The kernel could not be compiled or loaded; the message says what is missing."""
 
 
-@functools.cache
 def q4_ops(variant: str = "native") -> Any:
-    """The 4-bit ops (`linear`, `dequantize`, `isa`) of one build variant, built on first use."""
-    return build_q4(variant, default_cache_dir() / "kernels")
+    """The block-weight ops (`linear`, `dequantize`, their Q8_0 forms `linear8`, `dequantize8`,
+    `rows8`, and `isa`) of one build variant, built on first use."""
+    return kernel_ops("q4", variant)
 
 
 def build_q4(variant: str, cache_dir: Path) -> Any:
