@@ -5,7 +5,6 @@ choice of kernels."""
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from pie.drivers.kernels import KernelBuildError, kernel_ops
 from pie.drivers.loader import load_model
 from pie.drivers.models.layers import TORCH_KERNELS, LayerKernels, RotaryEmbedding
 from pie.drivers.torch_driver import TorchDriver
+from tests.kernel_variants import VARIANTS
 from tests.tiny_models import TINY_CASES, VOCAB, save_tiny_model
 
 ROUNDING = 1e-6
@@ -27,16 +27,6 @@ of squares) or a fused multiply-add differs from torch's."""
 LOGITS = 1e-5
 """Max abs logit difference between a tiny model on the kernels and on the torch ops."""
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-_CPUINFO = Path("/proc/cpuinfo")
-_FLAGS = _CPUINFO.read_text() if _CPUINFO.exists() else ""
-VARIANTS = [
-    "native",
-    pytest.param(
-        "avx2", marks=pytest.mark.skipif(not X86 or " avx2" not in _FLAGS, reason="no AVX2")
-    ),
-    pytest.param("portable", marks=pytest.mark.skipif(not X86, reason="x86 flags")),
-]
 TOKENS = [1, 37]
 WIDTHS = [576, 64, 100]
 """SmolLM2's hidden size and head size, and one that leaves a scalar tail at every width."""

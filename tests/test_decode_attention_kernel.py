@@ -4,9 +4,7 @@ against the gather path on a mixed batch; fp32 results agree within 1e-5."""
 
 from __future__ import annotations
 
-import platform
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,20 +20,11 @@ from pie.drivers.kvcache_int8 import Int8PagedKvCache
 from pie.drivers.models.base import PLAIN_ATTENTION, LayerAttention
 from pie.events.forward import ForwardRequest
 from pie.events.sampling import bools_to_rle
+from tests.kernel_variants import VARIANTS
 
 pytestmark = pytest.mark.unit
 
 TOL = 1e-5
-X86 = platform.machine() in ("x86_64", "AMD64")
-_CPUINFO = Path("/proc/cpuinfo")
-_FLAGS = _CPUINFO.read_text() if _CPUINFO.exists() else ""
-VARIANTS = [
-    "native",
-    pytest.param(
-        "avx2", marks=pytest.mark.skipif(not X86 or " avx2" not in _FLAGS, reason="no AVX2")
-    ),
-    pytest.param("portable", marks=pytest.mark.skipif(not X86, reason="x86 flags")),
-]
 CONTEXTS = (1, 17, 300, 0)
 """Each op case's requests; the last one sees nothing (no slot at all)."""
 OPTIONS: dict[str, dict[str, Any]] = {

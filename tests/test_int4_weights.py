@@ -6,7 +6,6 @@ errors, and the real default model served from its GGUF file's own Q4_1 blocks."
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from pie.drivers.models.layers import FusedLinear
 from pie.drivers.quantize4 import Int4FusedLinear, Int4Linear, quantize_int4
 from pie.engine import open_engine
 from pie.events.sampling import Argmax
+from tests.kernel_variants import VARIANTS
 from tests.model_fixtures import default_model_dir, real  # noqa: F401  (fixtures)
 from tests.tiny_models import TINY_CASES, VOCAB, save_tiny_model
 
@@ -40,16 +40,6 @@ INT4_TOLERANCE = 0.12
 """One layer quantized here (min/max per group of 32) against float32 on random weights: a step
 is a fifteenth of the group's range, so about 8% relative error; 12% leaves room."""
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-_CPUINFO = Path("/proc/cpuinfo")
-_FLAGS = _CPUINFO.read_text() if _CPUINFO.exists() else ""
-VARIANTS = [
-    "native",
-    pytest.param(
-        "avx2", marks=pytest.mark.skipif(not X86 or " avx2" not in _FLAGS, reason="no AVX2")
-    ),
-    pytest.param("portable", marks=pytest.mark.skipif(not X86, reason="x86 flags")),
-]
 SHAPES = [(96, 64), (960, 576), (576, 1536), (33, 32), (7, 96)]
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
@@ -225,6 +215,16 @@ def test_a_missing_compiler_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(KernelBuildError, match="compiler '/nonexistent/g[+][+]' was not found"):
         build_q4("native", tmp_path)
+
+
+@pytest.mark.unit
+def test_a_second_build_of_a_loaded_kernel_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """torch aborts a process that registers a loaded namespace again (a kernel whose source
+    changed while the process ran): that build is refused with an error instead."""
+    q4_ops()
+    with pytest.raises(KernelBuildError, match="restart the process"):
+        kernels.build_kernels("q4", "native", tmp_path)
+    assert q4_ops().isa()
 
 
 @pytest.mark.unit

@@ -18,8 +18,9 @@ from pie.drivers.loader import load_model
 from pie.drivers.q8_head import Q8Embedding, Q8Linear, file_tables, quantize_head
 from pie.drivers.quantize4 import gguf_source
 from tests.dense_attention import dense_logits
+from tests.kernel_variants import VARIANTS
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
-from tests.test_int4_weights import ROUNDING, VARIANTS
+from tests.test_int4_weights import ROUNDING
 from tests.tiny_models import TINY_CASES, VOCAB, save_tiny_model
 
 Q8_0 = GGMLQuantizationType.Q8_0

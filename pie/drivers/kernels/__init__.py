@@ -53,10 +53,29 @@ def build_q4(variant: str, cache_dir: Path) -> Any:
     return build_kernels("q4", variant, cache_dir)
 
 
-@functools.cache
 def kernel_ops(library: str, variant: str = "native") -> Any:
     """The ops namespace of one kernel library (a key of SOURCES), built on first use."""
+    return _cached_ops(library, variant)
+
+
+@functools.cache
+def _cached_ops(library: str, variant: str) -> Any:
     return build_kernels(library, variant, default_cache_dir() / "kernels")
+
+
+_LOADED: dict[str, Path] = {}
+"""Namespace -> the library file this process loaded it from."""
+
+
+def _check_not_loaded(namespace: str, library_file: Path, what: str) -> None:
+    """torch aborts the process when a second library registers a namespace already loaded:
+    refuse another build of a loaded kernel (its source changed since this process loaded it)."""
+    loaded = _LOADED.get(namespace)
+    if loaded is not None and loaded != library_file:
+        raise KernelBuildError(
+            f"pie's {what} was loaded from {loaded} and a different build {library_file} was "
+            f"asked for (its source or cache folder changed): restart the process to use it"
+        )
 
 
 def build_kernels(library: str, variant: str, cache_dir: Path) -> Any:
@@ -74,8 +93,10 @@ def build_kernels(library: str, variant: str, cache_dir: Path) -> Any:
         if not ((folder / _DONE).is_file() and library_file.is_file()):
             _compile(library, namespace, source, flags, folder)
             (folder / _DONE).write_text(str(library_file))
+    _check_not_loaded(namespace, library_file, SOURCES[library][1])
     try:
         torch.ops.load_library(str(library_file))
+        _LOADED[namespace] = library_file
     except OSError as e:
         raise KernelBuildError(
             f"cannot load pie's {SOURCES[library][1]} {library_file}: {e}"
@@ -84,7 +105,11 @@ def build_kernels(library: str, variant: str, cache_dir: Path) -> Any:
 
 
 def _key(source: Path, flags: tuple[str, ...]) -> str:
+    """The build's cache key: the source, the headers beside it (any source may include them),
+    torch's version, the CPU and the flags."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     digest.update("\0".join((torch.__version__, _cpu(), *flags)).encode())
     return digest.hexdigest()[:16]
 
@@ -105,6 +130,8 @@ def _compile(library: str, name: str, source: Path, flags: tuple[str, ...], fold
     from torch.utils import cpp_extension
 
     what = SOURCES[library][1]
+    # cpp_extension loads what it builds.
+    _check_not_loaded(name, folder / f"{name}.so", what)
     started = time.perf_counter()
     print(f"pie: compiling {what} into {folder} (first use)", file=sys.stderr)
     try:

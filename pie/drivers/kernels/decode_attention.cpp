@@ -16,29 +16,16 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
 constexpr float kNothing = -std::numeric_limits<float>::infinity();
 
-// Each instruction set supplies Vec (kWidth floats) and the few operations the loops below use;
-// the scalar one is a Vec of one float, so the same loops serve every build.
+// Isa is the instruction set's Simd (simd.h) and the few further operations the loops below
+// use; the scalar one is a Vec of one float, so the same loops serve every build.
 #if defined(__AVX512F__)
-struct Isa {
-  using Vec = __m512;
-  static constexpr int kWidth = 16;
-  static constexpr const char* kName = "avx512";
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec set(float x) { return _mm512_set1_ps(x); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+struct Isa : Simd {
   static Vec round(Vec x) {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
@@ -71,22 +58,7 @@ struct Isa {
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-struct Isa {
-  using Vec = __m256;
-  static constexpr int kWidth = 8;
-  static constexpr const char* kName = "avx2";
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec set(float x) { return _mm256_set1_ps(x); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(Vec v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-  }
+struct Isa : Simd {
   static Vec round(Vec x) {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
@@ -118,18 +90,7 @@ struct Isa {
   }
 };
 #else
-struct Isa {
-  using Vec = float;
-  static constexpr int kWidth = 1;
-  static constexpr const char* kName = "portable";
-  static Vec zero() { return 0.0f; }
-  static Vec set(float x) { return x; }
-  static Vec load(const float* p) { return *p; }
-  static void store(float* p, Vec v) { *p = v; }
-  static Vec add(Vec a, Vec b) { return a + b; }
-  static Vec mul(Vec a, Vec b) { return a * b; }
-  static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
-  static float sum(Vec v) { return v; }
+struct Isa : Simd {
   static Vec sums(const Vec* v) { return v[0]; }
   static Vec max(Vec a, Vec b) { return std::max(a, b); }
   static float top(Vec v) { return v; }
@@ -144,15 +105,15 @@ constexpr int64_t kW = Isa::kWidth;
 // |r| <= ln2 / 2, e^r by its Taylor series to r^7 (the next term is under 1e-8 of it), times 2^n
 // built in the exponent bits. Below -87.3 (where 2^n leaves the normal floats) it is 0.
 typename Isa::Vec exp_nonpositive(typename Isa::Vec x) {
-  const typename Isa::Vec floor = Isa::set(-87.3f);
+  const typename Isa::Vec floor = Isa::set1(-87.3f);
   const typename Isa::Vec clamped = Isa::max(x, floor);
-  const typename Isa::Vec n = Isa::round(Isa::mul(clamped, Isa::set(1.44269504f)));
+  const typename Isa::Vec n = Isa::round(Isa::mul(clamped, Isa::set1(1.44269504f)));
   // ln2 in two parts, so that n * ln2_hi is exact and r keeps its low bits.
-  typename Isa::Vec r = Isa::fma(n, Isa::set(-0.693145752f), clamped);
-  r = Isa::fma(n, Isa::set(-1.42860682e-6f), r);
-  typename Isa::Vec y = Isa::set(1.0f / 5040);
+  typename Isa::Vec r = Isa::fma(n, Isa::set1(-0.693145752f), clamped);
+  r = Isa::fma(n, Isa::set1(-1.42860682e-6f), r);
+  typename Isa::Vec y = Isa::set1(1.0f / 5040);
   for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    y = Isa::fma(y, r, Isa::set(c));
+    y = Isa::fma(y, r, Isa::set1(c));
   return Isa::zero_below(Isa::mul(y, Isa::pow2(n)), x, floor);
 }
 #else
@@ -196,12 +157,12 @@ template <int N>
 void accumulate_chunk(float* acc, float keep, const float* w, const uint8_t* shown,
                       const float* v, int64_t lo, int64_t hi, int64_t row) {
   typename Isa::Vec a[N];
-  const typename Isa::Vec k = Isa::set(keep);
+  const typename Isa::Vec k = Isa::set1(keep);
   for (int n = 0; n < N; ++n) a[n] = Isa::mul(k, Isa::load(acc + n * kW));
   for (int64_t o = lo; o < hi; ++o) {
     // A hidden slot's weight is 0, but its V row may hold anything (a NaN would survive 0 * x).
     if (!shown[o]) continue;
-    const typename Isa::Vec x = Isa::set(w[o]);
+    const typename Isa::Vec x = Isa::set1(w[o]);
     for (int n = 0; n < N; ++n) a[n] = Isa::fma(x, Isa::load(v + o * row + n * kW), a[n]);
   }
   for (int n = 0; n < N; ++n) Isa::store(acc + n * kW, a[n]);
@@ -291,7 +252,7 @@ template <int V>
 void head_scores(const Decode& p, const float* q, const float* keys, float* row, State& s) {
   typename Isa::Vec lanes[kW];
   const bool plain = p.dim % kW == 0 && p.softcap == 0.0f;
-  const typename Isa::Vec scale = Isa::set(plain ? p.scale : 1.0f);
+  const typename Isa::Vec scale = Isa::set1(plain ? p.scale : 1.0f);
   for (int64_t o0 = 0; o0 < s.stride; o0 += kW) {
     for (int64_t j = 0; j < kW; ++j)
       lanes[j] = s.shown[o0 + j] ? dot_lanes<V>(q, keys + (o0 + j) * p.row(), p.dim)
@@ -313,13 +274,13 @@ template <int V>
 void head_values(const Decode& p, int64_t h, const float* values, int64_t lo, int64_t hi,
                  State& s) {
   float* w = s.scores.data() + h * s.stride;
-  typename Isa::Vec tops = Isa::set(s.max[h]);
+  typename Isa::Vec tops = Isa::set1(s.max[h]);
   for (int64_t o = 0; o < s.stride; o += kW) tops = Isa::max(tops, Isa::load(w + o));
   const float top = Isa::top(tops);
   // 0 while nothing was seen (max is -inf); computed in vector registers, as a call into libm
   // from AVX code costs a state transition each way.
-  const float keep = Isa::first(exp_nonpositive(Isa::set(s.max[h] - top)));
-  const typename Isa::Vec shift = Isa::set(-top);
+  const float keep = Isa::first(exp_nonpositive(Isa::set1(s.max[h] - top)));
+  const typename Isa::Vec shift = Isa::set1(-top);
   typename Isa::Vec total = Isa::zero();
   for (int64_t o = 0; o < s.stride; o += kW) {
     const typename Isa::Vec e = exp_nonpositive(Isa::add(Isa::load(w + o), shift));

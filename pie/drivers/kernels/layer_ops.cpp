@@ -15,65 +15,26 @@
 #include <cstdint>
 #include <string>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t kGrainFloats = 1 << 14;  // rows below this much work stay on one thread
 
-// Each instruction set supplies Vec (kWidth floats) and a few arithmetic helpers; the kernels
-// below are written once over them, with a scalar loop for a row's last D % kWidth floats.
+// Isa is the instruction set's Simd (simd.h) and `sub`; the kernels below are written once over
+// it, with a scalar loop for a row's last D % kWidth floats.
 
 #if defined(__AVX512F__)
-struct Isa {
-  using Vec = __m512;
-  static constexpr int kWidth = 16;
-  static constexpr const char* kName = "avx512";
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec set1(float v) { return _mm512_set1_ps(v); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+struct Isa : Simd {
   static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-struct Isa {
-  using Vec = __m256;
-  static constexpr int kWidth = 8;
-  static constexpr const char* kName = "avx2";
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec set1(float v) { return _mm256_set1_ps(v); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+struct Isa : Simd {
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(Vec v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-  }
 };
 #else
-struct Isa {
-  using Vec = float;
-  static constexpr int kWidth = 1;
-  static constexpr const char* kName = "portable";
-  static Vec zero() { return 0.0f; }
-  static Vec set1(float v) { return v; }
-  static Vec load(const float* p) { return *p; }
-  static void store(float* p, Vec v) { *p = v; }
-  static Vec add(Vec a, Vec b) { return a + b; }
+struct Isa : Simd {
   static Vec sub(Vec a, Vec b) { return a - b; }
-  static Vec mul(Vec a, Vec b) { return a * b; }
-  static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
-  static float sum(Vec v) { return v; }
 };
 #endif
 

@@ -15,9 +15,7 @@
 #include <cstdint>
 #include <string>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -39,21 +37,13 @@ struct Weight {
   const c10::Half* row_scales(int64_t i) const { return scales + i * (k / kBlock) * F::kScales; }
 };
 
-// Each instruction set supplies Vec (kWidth floats), `widen` (float16 scales to float32),
-// `dequant` (one block into kParts Vecs in element order) and, where the register kernel runs
-// (PIE_Q4_FUSED), a few arithmetic helpers. The kernels below are written once over them.
+// Isa is the instruction set's Simd (simd.h) and `widen` (float16 scales to float32) and
+// `dequant` (one block into kParts Vecs in element order); the register kernel (PIE_Q4_FUSED)
+// also uses Simd's arithmetic. The kernels below are written once over them.
 
 #if defined(__AVX512F__)
 #define PIE_Q4_FUSED 1
-struct Isa {
-  using Vec = __m512;
-  static constexpr int kWidth = 16;
-  static constexpr const char* kName = "avx512";
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+struct Isa : Simd {
   static void widen(const c10::Half* s, int64_t count, float* out) {
     int64_t i = 0;
     for (; i + 16 <= count; i += 16) {
@@ -81,19 +71,7 @@ struct Isa {
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PIE_Q4_FUSED 1
-struct Isa {
-  using Vec = __m256;
-  static constexpr int kWidth = 8;
-  static constexpr const char* kName = "avx2";
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(Vec v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-  }
+struct Isa : Simd {
   static void widen(const c10::Half* s, int64_t count, float* out) {
     int64_t i = 0;
     for (; i + 8 <= count; i += 8) {
@@ -127,11 +105,8 @@ struct Isa {
 #define PIE_Q4_FUSED 0
 // Without SIMD the per-block loop lost to dequantizing into float tiles for torch's matmul at
 // every batch size (0.35x float32 against 0.53x at one row, measured), so only that path runs.
-struct Isa {
-  using Vec = float;
-  static constexpr int kWidth = 1;
-  static constexpr const char* kName = "portable";
-  static void store(float* p, Vec v) { *p = v; }
+// ScalarSimd, not Simd: a build with AVX2 and FMA but no F16C gets this one too.
+struct Isa : ScalarSimd {
   static void widen(const c10::Half* s, int64_t count, float* out) {
     for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(s[i]);
   }
