@@ -4,6 +4,8 @@ carries exactly one tier marker (docs/development.md#tests)."""
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import trio.testing
@@ -19,10 +21,21 @@ REAL_MODEL_FIXTURES = frozenset({"real", "default_model_dir", "tokenizer", "defa
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Builds pie's compiled CPU kernels once, before any test runs, so that no test with a
-    deadline pays for a first compile (seconds each on a small machine; cached afterwards)."""
+    """Builds pie's compiled CPU kernels, in every variant the kernel tests use, before any test
+    runs, so that no test with a deadline pays for a first compile (seconds each on a small
+    machine; cached afterwards). The builds run in child processes, two at a time; this process
+    then loads the native ones."""
     from pie.drivers.kernels import SOURCES, KernelBuildError, kernel_ops
+    from tests.kernel_variants import BUILT
 
+    script = "import sys; from pie.drivers.kernels import kernel_ops; kernel_ops(*sys.argv[1:])"
+    waiting = [[sys.executable, "-c", script, lib, variant] for lib in SOURCES for variant in BUILT]
+    running: list[subprocess.Popen[bytes]] = []
+    while waiting or running:
+        while waiting and len(running) < 2:
+            quiet = subprocess.DEVNULL
+            running.append(subprocess.Popen(waiting.pop(0), stdout=quiet, stderr=quiet))
+        running.pop(0).wait()
     for library in SOURCES:
         try:
             kernel_ops(library)

@@ -42,12 +42,13 @@ def test_skipped_parameters_are_neither_read_nor_written(tmp_path: Path) -> None
 
 
 _PEAK = """
-import json, resource, sys
+import json, sys
 from pie.config import EngineConfig, with_overrides
 from pie.drivers.factory import build_torch_driver
+from pie.drivers.memory import peak_resident_mb
 model = {"path": sys.argv[1], "weights": sys.argv[2]}
 build_torch_driver(with_overrides(EngineConfig(), model=model))
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+print(json.dumps(peak_resident_mb()))
 """
 
 

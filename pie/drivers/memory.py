@@ -26,6 +26,21 @@ class MemoryUse:
     on_device: str
 
 
+def peak_resident_mb() -> float:
+    """This process's peak resident memory in MiB: VmHWM, which starts afresh at exec, where
+    getrusage's ru_maxrss keeps the high-water mark of the process that spawned this one."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def model_bytes(model: Any) -> int:
     """Bytes of every parameter and buffer (int8 weights and their scales included)."""
     tensors = [*model.parameters(), *model.buffers()]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import trio
 
 from pie.actors.generate import generate
+from pie.drivers.memory import peak_resident_mb
 from pie.engine import Engine, open_engine
 from pie.events.sampling import Argmax
 
@@ -120,7 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         async with open_engine(config) as engine:
             figures.update(_run_info(engine))
             figures.update(await _engine_figures(engine, args))
-            figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            figures["peak_rss_mb"] = peak_resident_mb()
             if not args.no_hf:
                 figures.update(await trio.to_thread.run_sync(_hf_figures, engine, args))
 
