@@ -18,9 +18,9 @@ from pie.drivers.kernels import KernelBuildError, kernel_ops
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache
 from pie.drivers.kvcache_int8 import Int8PagedKvCache
 from pie.drivers.models.base import PLAIN_ATTENTION, LayerAttention
-from pie.events.forward import ForwardRequest
 from pie.events.sampling import bools_to_rle
 from tests.kernel_variants import VARIANTS
+from tests.test_paged_attention import make_request
 
 pytestmark = pytest.mark.unit
 
@@ -190,20 +190,6 @@ LAYERS = (
 )
 
 
-def _request(rng: random.Random, free: list[int], n: int, kv_len: int, **extra: Any) -> Any:
-    count = -(-kv_len // PAGE) + rng.randint(0, 1)
-    return ForwardRequest(
-        corr=0,
-        requester="test",
-        context=0,
-        tokens=(0,) * n,
-        positions=tuple(range(kv_len - n, kv_len)),
-        kv_start=kv_len - n,
-        pages=tuple(free.pop(rng.randrange(len(free))) for _ in range(count)),
-        **extra,
-    )
-
-
 def _mixed_batch(rng: random.Random) -> ForwardBatch:
     """Decodes of several lengths (one with masked pages, one with its own mask, one that sees
     nothing) beside a prefill."""
@@ -211,13 +197,13 @@ def _mixed_batch(rng: random.Random) -> ForwardBatch:
     mask = bools_to_rle([rng.random() < 0.6 for _ in range(23)])
     return ForwardBatch.from_requests(
         [
-            _request(rng, free, 1, 1),
-            _request(rng, free, 1, 9),
-            _request(rng, free, 5, 12),
-            _request(rng, free, 1, 70, masked_pages=(0, 3, 7)),
-            _request(rng, free, 1, 23, attention_masks=(mask,)),
-            _request(rng, free, 1, 8, masked_pages=(0, 1)),
-            _request(rng, free, 1, 33),
+            make_request(rng, free, 1, 1),
+            make_request(rng, free, 1, 9),
+            make_request(rng, free, 5, 12),
+            make_request(rng, free, 1, 70, masked_pages=(0, 3, 7)),
+            make_request(rng, free, 1, 23, masks=(mask,)),
+            make_request(rng, free, 1, 8, masked_pages=(0, 1)),
+            make_request(rng, free, 1, 33),
         ]
     )
 

@@ -35,6 +35,7 @@ RUNNERS = {
     "bench gpu": "pie.cli.bench.gpu:run_bench_gpu",
     "bench decoding": "pie.cli.bench.decoding:run_bench_decoding",
     "bench peers": "pie.cli.bench.peers:run_bench_peers",
+    "bench step": "pie.cli.bench.step:run_bench_step",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

@@ -176,6 +176,7 @@ def add_bench_parsers(commands: Commands) -> None:
     _bench_serve_parser(suites)
     _bench_gpu_parser(suites)
     _bench_peers_parser(suites)
+    _bench_step_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -281,6 +282,19 @@ def _bench_gpu_parser(suites: Commands) -> None:
     gpu.add_argument(
         "--profile", type=int, default=0, metavar="ROWS", help="print a host profile's top rows"
     )
+
+
+def _bench_step_parser(suites: Commands) -> None:
+    step = suites.add_parser(
+        "step", help="one decode step split by operation, compiled kernels against torch's ops"
+    )
+    step.add_argument("--json", action="store_true", help="print one JSON object")
+    step.add_argument("--batch", type=int, default=1, help="contexts decoding together")
+    step.add_argument("--context", type=int, default=64, help="tokens in each context at start")
+    step.add_argument("--steps", type=int, default=40, help="timed steps per mode and round")
+    step.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    step.add_argument("--model", help="a model (default: the embedded SmolLM2-135M)")
+    step.add_argument("--weights", choices=["auto", "dtype", "int8", "int4"], default="auto")
 
 
 def _bench_peers_parser(suites: Commands) -> None:

@@ -209,6 +209,9 @@ class TorchDriver:
         self.cache = self._new_cache(shape, num_pages, device)
         # Builds (or loads) the decode attention kernel now, at start, not in the first pass.
         reads_in_place(self.cache)
+        self.in_place_decode = True
+        """Decode attention through the in-place kernel where the cache allows (False: gather,
+        as `pie bench step` compares)."""
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
@@ -270,7 +273,9 @@ class TorchDriver:
 
     def _prepare(self, batch: ForwardBatch) -> Any:
         """What the pass needs built before any KV page changes: its attention."""
-        return PagedAttention(batch, self.cache, self.attention_layers)
+        return PagedAttention(
+            batch, self.cache, self.attention_layers, in_place_decode=self.in_place_decode
+        )
 
     def _adapters_applied(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[None]:
         if self.adapters is None:
