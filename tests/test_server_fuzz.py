@@ -194,6 +194,9 @@ class Frames:
         makers = self.makers()
         plan = [pair for make, _ in makers for pair in make()]
         plan += [pair for pick in range(UPLOAD_CASES) for pair in self.bad_uploads(pick)]
+        # One lookup that finds a program, so that every seed sees each kind of success.
+        found = msg.QueryProgram(corr=self.next_corr(), program="relay")
+        plan.append((encode_frame(found), self.expect_of(found)))
         weights = [weight for _, weight in makers]
         while len(plan) < count:
             make = self.rng.choices([make for make, _ in makers], weights)[0]
