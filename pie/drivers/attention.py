@@ -129,13 +129,13 @@ class _GroupBuilder:
         size = (rows, shape.num_kv_heads, shape.head_dim)
         return torch.empty(size, dtype=self.value_dtype, device=device)
 
-    def decode_pages(self, table: torch.Tensor, visible: torch.Tensor) -> DecodePages:
+    def decode_pages(self, table: torch.Tensor) -> DecodePages:
         """What the in-place kernel reads; `visible` [B, 1, L] goes along only when some slot
         below a request's kv_len is hidden (a masked page, a custom mask)."""
         b = self.batch
         hidden = any(b.masked_pages[r] or b.attention_masks[r] is not None for r in self.requests)
         return DecodePages(
-            table=table, kv_lens=self.kv_lens, visible=visible[:, 0] if hidden else None
+            table=table, kv_lens=self.kv_lens, visible=self.visible()[:, 0] if hidden else None
         )
 
     def plain_causal(self) -> bool:
@@ -168,16 +168,17 @@ class _GroupBuilder:
         gather rows, masks and buffers."""
         table = self.page_table()
         k_rows = self.k_rows(table)
-        visible = self.visible()
         starts = torch.tensor([self.batch.qo_indptr[r] for r in self.requests])
         tokens = (starts[:, None] + torch.arange(self.n)[None, :]).reshape(-1)
         write_rows = k_rows.gather(1, self.token_slots()).reshape(-1)
-        pages = self.decode_pages(table, visible) if in_place and self.n == 1 else None
+        pages = self.decode_pages(table) if in_place and self.n == 1 else None
         causal = self.plain_causal()
         masks = {}
-        for window in windows if pages is None else ():
-            seen = self.windowed(visible, window)
-            masks[window] = self.mask(seen, causal and seen is visible, device)
+        if pages is None:  # only the gathered path needs the [B, n, L] visibility for masks
+            visible = self.visible()
+            for window in windows:
+                seen = self.windowed(visible, window)
+                masks[window] = self.mask(seen, causal and seen is visible, device)
         group = _Group(
             batch=len(self.requests),
             new_tokens=self.n,
