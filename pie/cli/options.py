@@ -27,6 +27,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="dtype / int8 / int4: linear weights kept in --dtype, int8, 4-bit blocks (CPU)",
     )
     parser.add_argument(
+        "--activations",
+        choices=["auto", "float32", "int8"],
+        help="how int4 weights multiply decode rows: int8 blocks (AVX-512 VNNI) or float32",
+    )
+    parser.add_argument(
         "--adapter",
         action="append",
         default=[],
@@ -45,7 +50,7 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The config file named by --config (or the defaults) with --model, --dtype, --device,
-    --weights and --adapter."""
+    --weights, --activations and --adapter."""
     from pie.config import load_config, with_overrides
 
     config = load_config(args.config)
@@ -62,6 +67,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             "dtype": args.dtype,
             "device": args.device,
             "weights": getattr(args, "weights", None),
+            "activations": getattr(args, "activations", None),
             "adapters": adapters or None,
         },
     )

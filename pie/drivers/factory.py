@@ -48,7 +48,7 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     fill_weights(loaded, skip=from_file.skip(loaded.model) if from_file is not None else ())
     # Before quantizing, which then converts the base layer inside each wrapped one.
     adapters = _adapters(loaded.model, config)
-    said = _quantize(loaded, weights, from_file)
+    said = _quantize(loaded, weights, from_file, config.model.activations)
     kv = config.kv
     num_pages = kv.num_pages or _pages_for(config, loaded.config, choice)
     common: dict[str, Any] = dict(
@@ -96,13 +96,20 @@ def _file_weights(loaded: Any) -> Any:
     return FileWeights.read(loaded.path, loaded.model)
 
 
-def _quantize(loaded: Any, weights: str, from_file: Any) -> str:
+def _quantize(loaded: Any, weights: str, from_file: Any, activations: str) -> str:
     """Applies the weights `_weights` chose; what to say about it at start ("" for the dtype)."""
+    if activations != "auto" and weights != "int4":
+        raise ValueError(
+            f"[model] activations = {activations!r} applies to int4 weights, and these are "
+            f"{weights}: leave it at 'auto' or set [model] weights = 'int4'"
+        )
     if weights == "int4":
         from pie.drivers.quantize4 import to_int4
+        from pie.drivers.tiles import int8_activations
 
-        to_int4(loaded.model, from_file)
-        return "int4 weights, "
+        tiled = int8_activations(activations)
+        to_int4(loaded.model, from_file, tiled=tiled)
+        return f"int4 weights, {'int8' if tiled else 'float32'} activations, "
     if weights == "int8":
         from pie.drivers.quantize import CALIBRATION, quantize_int8
 

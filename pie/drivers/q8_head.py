@@ -17,20 +17,22 @@ from pie.drivers.gguf_blocks import Q8Blocks, block_tensors, gguf_blocks8, quant
 from pie.drivers.kernels import q4_ops
 from pie.drivers.loader.gguf import hf_name
 from pie.drivers.models.base import CausalLM
+from pie.drivers.tiles import Tiles, tile, tiles_fit
 
 
 class Q8Linear(nn.Module):
-    """y = x W^T with W as Q8_0 blocks (no bias: an output head has none)."""
+    """y = x W^T with W as Q8_0 blocks, or their tiles (no bias: an output head has none)."""
 
     packed: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, blocks: Q8Blocks) -> None:
+    def __init__(self, blocks: Q8Blocks | Tiles) -> None:
         super().__init__()
         self.register_buffer("packed", blocks.packed)
         self.register_buffer("scales", blocks.scales)
         self.out_features, self.in_features = blocks.shape
-        self._matmul = q4_ops().linear8
+        self.tiled = isinstance(blocks, Tiles)
+        self._matmul = q4_ops().linear8_tiled if self.tiled else q4_ops().linear8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
@@ -44,24 +46,26 @@ class Q8Embedding(nn.Module):
     packed: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, blocks: Q8Blocks, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: Q8Blocks | Tiles, dtype: torch.dtype) -> None:
         super().__init__()
         self.register_buffer("packed", blocks.packed)
         self.register_buffer("scales", blocks.scales)
         self.num_embeddings, self.embedding_dim = blocks.shape
         self.dtype = dtype
-        self._rows = q4_ops().rows8
+        self._rows = q4_ops().rows8_tiled if isinstance(blocks, Tiles) else q4_ops().rows8
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._rows(self.packed, self.scales, ids.reshape(-1))
         return out.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
 
-def quantize_head(model: CausalLM, tables: dict[str, Q8Blocks] | None = None) -> int:
+def quantize_head(
+    model: CausalLM, tables: dict[str, Q8Blocks] | None = None, *, tiled: bool = False
+) -> int:
     """Puts the output head `lm_head`, and the embeddings `embed_tokens` when the head is tied
     to them, in Q8_0 blocks: a GGUF file's own from `tables` (see `file_tables`) when it has
-    them, else quantized here. Returns how many modules it replaced (0 for a model without
-    that layout)."""
+    them, else quantized here; in tiles when `tiled` (and the rows fit). Returns how many
+    modules it replaced (0 for a model without that layout)."""
     head = getattr(model, "lm_head", None)
     name = embeddings_name(model)
     if not isinstance(head, nn.Linear) or head.bias is not None or not name:
@@ -71,12 +75,13 @@ def quantize_head(model: CausalLM, tables: dict[str, Q8Blocks] | None = None) ->
     blocks = head_table(model, tables or {}) or quantize_blocks8(head.weight)
     if blocks.shape != tuple(head.weight.shape):
         raise ValueError(f"Q8_0 head of {blocks.shape} for a {tuple(head.weight.shape)} head")
-    model.lm_head = Q8Linear(blocks)
+    held = tile(blocks) if tiled and tiles_fit(blocks) else blocks
+    model.lm_head = Q8Linear(held)
     if not tied:
         return 1
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, Q8Embedding(blocks, embeddings.weight.dtype))
+    setattr(parent, child, Q8Embedding(held, embeddings.weight.dtype))
     return 2
 
 

@@ -1,9 +1,12 @@
 """Linear weights kept in 4 bits on the CPU (`[model] weights = "int4"`): llama.cpp's Q4_1
 blocks (32 weights along the input dimension, w = d * q + m with q in 0..15 and d, m in
-float16), multiplied by the compiled kernel in pie.drivers.kernels with float32 activations.
+float16), multiplied by the compiled kernel in pie.drivers.kernels. Decode rows of x multiply
+as float32, or, with the weights in 16-row tiles (`[model] activations`, tiles.py), as int8
+blocks the way llama.cpp multiplies them; many rows (prefill) always as float32.
 
 A model converted from a GGUF file whose layers are Q4_0 or Q4_1 keeps the file's own blocks, so
-the int4 model computes what the float32 model dequantized from that file computes, streaming
+the int4 model with float32 activations computes what the float32 model dequantized from that
+file computes, streaming
 0.625 bytes per weight a step instead of float32's 4. Other weights are quantized here, each
 group of 32 between its minimum and maximum."""
 
@@ -33,30 +36,37 @@ from pie.drivers.models.base import CausalLM
 from pie.drivers.models.layers import FusedLinear, SplitOutput
 from pie.drivers.q8_head import embeddings_name, file_tables, head_table, quantize_head
 from pie.drivers.quantize import replace_linears
+from pie.drivers.tiles import tile, tiles_fit
 
 Shard = str | int | None
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W held as Q4_1 blocks: the file's own (`blocks`) or quantized here."""
+    """y = x W^T + b with W held as Q4_1 blocks: the file's own (`blocks`) or quantized here.
+    `tiled`: in 16-row tiles (tiles.py), whose decode rows multiply as int8 blocks."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, blocks: Q4Blocks | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, blocks: Q4Blocks | None = None, *, tiled: bool = False
+    ) -> None:
         super().__init__()
         if blocks is None:
             blocks = quantize_blocks(linear.weight)
         if blocks.shape != tuple(linear.weight.shape):
             raise ValueError(f"int4 blocks of {blocks.shape} for a {tuple(linear.weight.shape)}")
-        self.register_buffer("packed", blocks.packed)
-        self.register_buffer("scales", blocks.scales)
+        ops = q4_ops()  # built here, so a missing compiler stops the start
+        self.tiled = tiled and tiles_fit(blocks)
+        held = tile(blocks) if self.tiled else blocks
+        self.register_buffer("packed", held.packed)
+        self.register_buffer("scales", held.scales)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self._matmul = q4_ops().linear  # built here, so a missing compiler stops the start
+        self._matmul = ops.linear_tiled if self.tiled else ops.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -70,8 +80,10 @@ class Int4Linear(nn.Module):
 class Int4FusedLinear(Int4Linear, SplitOutput):
     """A FusedLinear (stacked projections) in int4, split the same way."""
 
-    def __init__(self, linear: FusedLinear, blocks: Q4Blocks | None = None) -> None:
-        super().__init__(linear, blocks)
+    def __init__(
+        self, linear: FusedLinear, blocks: Q4Blocks | None = None, *, tiled: bool = False
+    ) -> None:
+        super().__init__(linear, blocks, tiled=tiled)
         self.split_sizes = list(linear.split_sizes)
 
 
@@ -104,11 +116,13 @@ class FileWeights:
         return found
 
 
-def to_int4(model: CausalLM, weights: FileWeights) -> int:
+def to_int4(model: CausalLM, weights: FileWeights, *, tiled: bool = False) -> int:
     """The int4 form of `model`, in place: its decoder's linear layers in Q4_1 blocks and its
-    head (with tied embeddings) in Q8_0 blocks, the file's own where `weights` has them. Returns
-    how many modules it replaced."""
-    return quantize_int4(model, weights=weights) + quantize_head(model, weights.tables)
+    head (with tied embeddings) in Q8_0 blocks, the file's own where `weights` has them, in
+    tiles when `tiled` (decode rows then multiply as int8 blocks). Returns how many modules it
+    replaced."""
+    layers = quantize_int4(model, weights=weights, tiled=tiled)
+    return layers + quantize_head(model, weights.tables, tiled=tiled)
 
 
 def quantize_int4(
@@ -117,6 +131,7 @@ def quantize_int4(
     *,
     keep: Sequence[str] = ("lm_head",),
     weights: FileWeights | None = None,
+    tiled: bool = False,
 ) -> int:
     """Replaces the linear layers of `model` by their int4 forms, in place, except those named
     in `keep` (the output head: see q8_head.py). `source` is the folder the model was loaded
@@ -130,8 +145,8 @@ def quantize_int4(
         # A LoRA wrapper holds the layer it adapts as `.base`; the file names the layer.
         blocks = _assemble(linear, from_file.get(path.removesuffix(".base"), {}))
         if isinstance(linear, FusedLinear):
-            return Int4FusedLinear(linear, blocks)
-        return Int4Linear(linear, blocks)
+            return Int4FusedLinear(linear, blocks, tiled=tiled)
+        return Int4Linear(linear, blocks, tiled=tiled)
 
     return replace_linears(model, keep, int4)
 
