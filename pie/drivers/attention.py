@@ -236,11 +236,17 @@ class PagedAttention:
             write_rows[tokens] = rows
             self.groups.append(group)
         self.write_rows = write_rows.to(cache.device)
+        self.write_v_rows = self.write_rows + cache.page_size
+        # One group holding every token in order (every decode step of one kind): its layers
+        # read q as it is instead of selecting its rows.
+        self.whole = len(self.groups) == 1 and torch.equal(
+            self.groups[0].tokens.cpu(), torch.arange(batch.num_tokens)
+        )
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.cache.write(layer, self.write_rows, k, v)
+        self.cache.write(layer, self.write_rows, k, v, self.write_v_rows)
         spec = self.layers[layer] if layer < len(self.layers) else PLAIN_ATTENTION
         if len(self.groups) == 1:
             return self._attend(self.groups[0], q, layer, spec)
@@ -250,11 +256,12 @@ class PagedAttention:
         return out
 
     def _attend(self, g: _Group, q: torch.Tensor, layer: int, spec: LayerAttention) -> torch.Tensor:
+        rows = q if self.whole else q.index_select(0, g.tokens)
         if g.pages is not None:
-            return decode_attention(self.cache, layer, q.index_select(0, g.tokens), g.pages, spec)
+            return decode_attention(self.cache, layer, rows, g.pages, spec)
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = self.cache.shape.num_kv_heads
-        qg = q.index_select(0, g.tokens).view(g.batch, g.new_tokens, heads, dim).transpose(1, 2)
+        qg = rows.view(g.batch, g.new_tokens, heads, dim).transpose(1, 2)
         fold = g.new_tokens == 1
         if fold:
             qg = qg.reshape(g.batch, kv_heads, -1, dim)

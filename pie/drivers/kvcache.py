@@ -144,11 +144,20 @@ class PagedKvCache:
         """K or V rows [R, heads, dim] of one layer (rows from `slot_rows`), into `out`."""
         return torch.index_select(self.layer_rows(layer), 0, rows, out=out)
 
-    def write(self, layer: int, k_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores k, v [T, heads, dim] at the slots whose K rows are `k_rows` [T]."""
+    def write(
+        self,
+        layer: int,
+        k_rows: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        v_rows: torch.Tensor | None = None,
+    ) -> None:
+        """Stores k, v [T, heads, dim] at the slots whose K rows are `k_rows` [T] (and V rows
+        `v_rows`, k_rows + page_size when not given: a pass computes them once for its layers)."""
         rows = self.layer_rows(layer)
         rows.index_copy_(0, k_rows, k.to(rows.dtype))
-        rows.index_copy_(0, k_rows + self.page_size, v.to(rows.dtype))
+        v_rows = k_rows + self.page_size if v_rows is None else v_rows
+        rows.index_copy_(0, v_rows, v.to(rows.dtype))
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies pages src[i] -> dst[i] in every layer; `src` is read before any write."""

@@ -45,11 +45,19 @@ class Int8PagedKvCache(PagedKvCache):
         scales = self._scale_rows(layer).index_select(0, rows // self.page_size)
         return torch.mul(values, scales.unsqueeze(-1), out=out)
 
-    def write(self, layer: int, k_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self,
+        layer: int,
+        k_rows: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        v_rows: torch.Tensor | None = None,
+    ) -> None:
         blocks, which = self._blocks(k_rows)
         self._write(layer, k_rows, k, blocks, which)
         # A slot's V block is its K block's neighbour (page * 2 + 1).
-        self._write(layer, k_rows + self.page_size, v, blocks + 1, which)
+        v_rows = k_rows + self.page_size if v_rows is None else v_rows
+        self._write(layer, v_rows, v, blocks + 1, which)
 
     def _blocks(self, k_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K blocks (page * 2) the rows fall in, and each row's index among them; worked

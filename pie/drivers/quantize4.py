@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,15 +67,29 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self._matmul = ops.linear_tiled if self.tiled else ops.linear
+        self._matmul = (ops.linear_tiled if self.tiled else ops.linear).default
+        self._hold()
+
+    def _hold(self) -> None:
+        # Plain attributes for the buffers: a decode step calls 120 of these layers, and
+        # nn.Module's attribute lookup for buffers cost about a third of each call's overhead.
+        self._weights = (self.packed, self.scales)
+        self._bias = self.bias
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Int4Linear:
+        super()._apply(fn, recurse)
+        self._hold()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        rows = x.reshape(-1, self.in_features).float()
-        out: torch.Tensor = self._matmul(rows, self.packed, self.scales)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features).to(dtype)
+        plain = x.dim() == 2 and x.dtype == torch.float32
+        rows = x if plain else x.reshape(-1, self.in_features).float()
+        out: torch.Tensor = self._matmul(rows, *self._weights)
+        if self._bias is not None:
+            out.add_(self._bias)
+        if plain:
+            return out
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 class Int4FusedLinear(Int4Linear, SplitOutput):
