@@ -483,6 +483,29 @@ def test_a_failed_pass_with_attention_masks_rolls_back_exactly() -> None:
     assert kv.core.state() == before
 
 
+def test_truncation_and_roll_back_cut_the_attention_masks_a_context_records() -> None:
+    kv = Kv()
+    context = kv.create()
+    chain = kv.core.contexts[context]
+    kv.write(context, [1, 2])
+    # The first mask covers the whole pass: it is kept over the slots its own token sees.
+    kv.apply(kv.submit(context, [3, 4, 5], attention_masks=((2, 1, 2), (1, 1, 2), (5,))))
+    assert chain.mask_runs == [(2, ((2, 1), (1, 1, 2), (5,)))]
+    kv.apply(kv.submit(context, [6], attention_masks=((1, 5),)))
+    run = (2, ((2, 1), (1, 1, 2), (5,), (1, 5)))
+    assert chain.mask_runs == [run]
+    before = kv.core.state()
+    kv.apply(kv.submit(context, [7], attention_masks=((7,),)), ok=False)
+    assert kv.core.state() == before and chain.mask_runs == [run]
+    kv.write(context, [7, 8])
+    kv.ok(ev.SaveContext, context=context, name="tree")
+    kv.ok(ev.TruncateContext, context=context, count=5)
+    assert chain.mask_runs == [(2, ((2, 1),))]
+    assert kv.core.snapshots[("local", "tree")].mask_runs == [run]
+    kv.ok(ev.TruncateContext, context=context, count=1)
+    assert chain.mask_runs == []
+
+
 def test_destroying_a_context_in_flight_frees_its_pages_after_the_pass() -> None:
     kv = Kv()
     context = kv.create()

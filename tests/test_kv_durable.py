@@ -1,13 +1,16 @@
 """Named snapshots kept on disk: the record store (written, read back, removed, damaged records
-left out) and an engine that finds a snapshot saved by the engine before it, rebuilt."""
+left out) and an engine that finds a snapshot saved by the engine before it, rebuilt through the
+adapters and under the attention masks its tokens ran through."""
 
 from __future__ import annotations
 
 import errno
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 import trio
 from attrs import evolve
 
@@ -15,10 +18,12 @@ from pie.actors.kv.context import Chain
 from pie.actors.kv.durable import SnapshotRecord, SnapshotStore
 from pie.actors.requester import RequestRefused
 from pie.config import EngineConfig, with_overrides
+from pie.drivers.factory import build_torch_driver
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import open_engine, with_snapshots_dir
 from pie.events import kv as kv_ev
-from pie.events.sampling import Argmax, SamplingSlot, TokenOutput
+from pie.events.sampling import Argmax, LogitsOutput, RawLogits, SamplingSlot, TokenOutput
+from tests.tiny_models import save_tiny_model
 
 PAGE = 4
 
@@ -310,13 +315,13 @@ def test_a_record_keeps_the_adapter_each_run_of_tokens_went_through(tmp_path: Pa
     chain.run_adapter(6, None)
     taken = SnapshotRecord.of("alice", "s", chain)
     assert taken.adapters == ((2, "sql"), (6, None))
-    assert taken.segments() == [(0, 2, None), (2, 6, "sql"), (6, 9, None)]
+    assert taken.segments() == [(0, 2, None, None), (2, 6, "sql", None), (6, 9, None, None)]
     store = SnapshotStore(tmp_path)
     store.write(taken)
     assert store.read_all() == [taken]
-    chain.cut_adapter_runs(6)
+    chain.cut_runs(6)
     assert chain.adapter_runs == [(2, "sql")]
-    assert record().segments() == [(0, 6, None)] and b"adapters" not in record().encode()
+    assert record().segments() == [(0, 6, None, None)] and b"adapters" not in record().encode()
 
 
 @pytest.mark.unit
@@ -356,3 +361,106 @@ async def test_a_snapshot_is_rebuilt_through_the_adapters_its_tokens_ran_through
         for i in range(b.num_requests)
     ]
     assert passes == runs
+
+
+@pytest.mark.unit
+def test_a_record_keeps_the_attention_masks_its_tokens_ran_under(tmp_path: Path) -> None:
+    chain = Chain(owner="snapshot:alice", tokens=list(range(9)), positions=list(range(9)))
+    chain.run_adapter(3, "sql")
+    chain.run_masks(2, ((1, 1, 1), (4,)))
+    chain.run_masks(6, ((2, 5),))
+    taken = SnapshotRecord.of("alice", "s", chain)
+    assert taken.masks == ((2, ((1, 1, 1), (4,))), (6, ((2, 5),)))
+    # Each pass of the rebuild runs one adapter, causally or under its own tokens' masks.
+    assert taken.segments() == [
+        (0, 2, None, None),
+        (2, 3, None, ((1, 1, 1),)),
+        (3, 4, "sql", ((4,),)),
+        (4, 6, "sql", None),
+        (6, 7, "sql", ((2, 5),)),
+        (7, 9, "sql", None),
+    ]
+    store = SnapshotStore(tmp_path)
+    store.write(taken)
+    assert store.read_all() == [taken]
+    assert b"masks" not in record().encode()
+
+
+@pytest.mark.unit
+def test_a_record_written_before_masks_were_kept_reads_as_causal() -> None:
+    old = b'{"user":"alice","name":"draft","tokens":[10,11],"positions":[0,1],"masked":[]}'
+    decoded = SnapshotRecord.decode(old)
+    assert decoded.masks == () and decoded.segments() == [(0, 2, None, None)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "runs",
+    [
+        '"tree"',
+        "[[1]]",
+        "[[1, []]]",
+        '[["1", [[2]]]]',
+        "[[1, [2]]]",
+        "[[1, [[-1, 3]]]]",
+        "[[1, [[true, 1]]]]",
+        "[[1, [[1, 0.5]]]]",
+        "[[-1, [[0]]]]",
+        "[[1, [[1]]]]",
+        "[[1, [[2], [2]]]]",
+        "[[5, [[6], [7]]]]",
+        "[[1, [[2], [3]]], [2, [[3]]]]",
+        "[[3, [[4]]], [1, [[2]]]]",
+    ],
+)
+def test_a_record_with_malformed_mask_runs_is_refused(runs: str) -> None:
+    body = record().encode().decode().removesuffix("}") + f',"masks":{runs}}}'
+    with pytest.raises(ValueError, match="mask"):
+        SnapshotRecord.decode(body.encode())
+
+
+def tiny_config(folder: Path) -> EngineConfig:
+    model = {"path": str(folder / "model"), "dtype": "float32", "device": "cpu"}
+    kv = {"snapshots_dir": str(folder / "snapshots"), "page_size": PAGE, "num_pages": 64}
+    return with_overrides(EngineConfig(), model=model, kv=kv)
+
+
+async def next_logits(r: Any, context: int, token: int) -> torch.Tensor:
+    (output,) = await r.forward(context, [token], (SamplingSlot(index=0, op=RawLogits()),))
+    assert isinstance(output, LogitsOutput)
+    return torch.tensor(output.values)
+
+
+@pytest.mark.integration
+async def test_a_snapshot_is_rebuilt_under_the_attention_masks_its_tokens_ran_under(
+    tmp_path: Path,
+) -> None:
+    save_tiny_model(tmp_path / "model", dict(model_type="llama"))
+    config = tiny_config(tmp_path)
+    prompt, branch = [5, 17, 42, 99], [7, 30, 31]
+    # A tree over the prompt: every branch token hides prompt token 1, the second also hides
+    # the first (a sibling); its mask covers the whole pass, the slots after it hidden anyway.
+    masks = ((1, 1, 3), (1, 1, 2, 1, 1, 1), (1, 1, 5))
+    with trio.fail_after(30):
+        driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
+        async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+            async with engine.requester() as r:
+                context = await r.create_context(user="alice")
+                await r.forward(context, prompt)
+                await r.forward(context, branch, attention_masks=masks)
+                await r.truncate(context, 1)
+                await r.save(context, "tree", user="alice")
+                saved = await next_logits(r, await r.open("tree", user="alice"), 9)
+                causal = await r.create_context(user="alice")
+                await r.forward(causal, prompt + branch[:2])
+                unmasked = await next_logits(r, causal, 9)
+        driver, tokenizer = await trio.to_thread.run_sync(build_torch_driver, config)
+        async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+            assert engine.statistics().kv.snapshots == 1
+            async with engine.requester() as r:
+                opened = await r.open("tree", user="alice")
+                assert (await r.describe(opened)).tokens == tuple(prompt + branch[:2])
+                rebuilt = await next_logits(r, opened, 9)
+    # Rebuilt causally, the snapshot's KV would give the unmasked logits.
+    assert (saved - unmasked).abs().max() > 1e-2
+    assert (rebuilt - saved).abs().max() < 1e-5

@@ -87,13 +87,17 @@ class KvActor(CoreActor):
 
 async def rebuild(requester: Requester, record: SnapshotRecord) -> None:
     """Saves `record`'s snapshot again: its tokens at their positions, one pass per run of
-    tokens through the adapter they ran through (the scheduler chunks a long one), then its
-    masked and released pages, on a context destroyed afterwards."""
+    tokens through the adapter they ran through and under the attention masks they ran under
+    (the scheduler chunks a long one), then its masked and released pages, on a context
+    destroyed afterwards. The tokens go in from an empty context in order, so each lands at
+    the kv slot it had and its recorded mask, over the slots up to its own, applies as it was."""
     context = await requester.create_context(user=record.user)
     try:
-        for start, end, adapter in record.segments():
+        for start, end, adapter, masks in record.segments():
             tokens, positions = record.tokens[start:end], record.positions[start:end]
-            await requester.forward(context, tokens, positions=positions, adapter=adapter)
+            await requester.forward(
+                context, tokens, positions=positions, attention_masks=masks, adapter=adapter
+            )
         if record.masked:
             await requester.mask_pages(context, record.masked)
         if record.released:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from attrs import define, field
 
+from pie.events.sampling import Rle
+
 RELEASED = -1
 """Stands in a chain's `pages` for a page whose KV was released: page indices keep counting
 tokens (token i is in page i // page_size) while the pool has the page back."""
@@ -41,6 +43,11 @@ class Chain:
     """(first token, adapter) where the adapter the tokens ran through changes; tokens before
     the first run ran through the base model. A durable snapshot rebuilds each run through its
     own adapter."""
+    mask_runs: list[tuple[int, tuple[Rle, ...]]] = field(factory=list)
+    """(first token, one mask per token) for the tokens whose KV was computed under custom
+    attention masks; the other tokens ran causally. Contiguous runs are one: each mask covers
+    the kv slots up to its own token, so masks do not depend on how tokens were grouped into
+    passes. A durable snapshot rebuilds each run under its masks."""
 
     def copy(self, owner: str) -> Chain:
         """The same tokens over the same pages (the caller counts the new owner in the pool),
@@ -57,6 +64,7 @@ class Chain:
             salt=self.salt,
             adapter=self.adapter,
             adapter_runs=list(self.adapter_runs),
+            mask_runs=list(self.mask_runs),
         )
 
     def held(self) -> list[int]:
@@ -85,6 +93,7 @@ class Chain:
             self.lease,
             self.adapter,
             tuple(self.adapter_runs),
+            tuple(self.mask_runs),
         )
 
     def run_adapter(self, start: int, adapter: str | None) -> None:
@@ -93,9 +102,23 @@ class Chain:
         if adapter != current:
             self.adapter_runs.append((start, adapter))
 
-    def cut_adapter_runs(self, length: int) -> None:
-        """Forgets the runs that begin at or after `length` (the tokens there are gone)."""
+    def run_masks(self, start: int, masks: tuple[Rle, ...]) -> None:
+        """Notes that the tokens from `start` ran under `masks`, each cut to the slots its token
+        can see (a mask may cover the whole pass; causality hides the slots after its token)."""
+        seen = tuple(_clip(mask, start + i + 1) for i, mask in enumerate(masks))
+        if self.mask_runs and _end(self.mask_runs[-1]) == start:
+            first, earlier = self.mask_runs.pop()
+            self.mask_runs.append((first, earlier + seen))
+        else:
+            self.mask_runs.append((start, seen))
+
+    def cut_runs(self, length: int) -> None:
+        """Forgets the adapter and mask runs of the tokens at or after `length` (they are gone),
+        keeping the front of a mask run that straddles it."""
         self.adapter_runs = [run for run in self.adapter_runs if run[0] < length]
+        self.mask_runs = [
+            (start, masks[: length - start]) for start, masks in self.mask_runs if start < length
+        ]
 
 
 @define
@@ -117,3 +140,21 @@ class InFlight:
     """Committed pages the pass attached instead of computing them (prefix caching)."""
     parked: list[int] = field(factory=list)
     """Reserved pages the reused ones made needless: the pass owns them until it settles."""
+
+
+def _end(run: tuple[int, tuple[Rle, ...]]) -> int:
+    return run[0] + len(run[1])
+
+
+def _clip(mask: Rle, width: int) -> Rle:
+    """`mask` over kv slots [0, width) only (it covers at least as many)."""
+    if sum(mask) == width:
+        return mask
+    runs: list[int] = []
+    left = width
+    for run in mask:
+        if left == 0:
+            break
+        runs.append(min(run, left))
+        left -= runs[-1]
+    return tuple(runs)

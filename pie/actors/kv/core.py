@@ -182,7 +182,7 @@ class KvCore(PassPlacement):
         del chain.tokens[length:]
         del chain.positions[length:]
         del chain.hashes[length // self.page_size :]
-        chain.cut_adapter_runs(length)
+        chain.cut_runs(length)
         chain.written = min(chain.written, length)
         chain.masked = {p for p in chain.masked if p < keep}
 

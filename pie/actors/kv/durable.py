@@ -1,6 +1,7 @@
 """Named snapshots kept on disk so that they outlive the process: one JSON record per snapshot
 holding what rebuilds it (its user, name, tokens, positions, the LoRA adapter each run of
-tokens went through, masked and released pages), each
+tokens went through, the custom attention masks tokens ran under, masked and released pages),
+each
 written atomically (a temporary file, fsync, rename, fsync of the folder) so a kill leaves the
 old record or the new one, never half of one."""
 
@@ -10,6 +11,7 @@ import hashlib
 import json
 import logging
 import shutil
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +19,20 @@ from attrs import frozen
 
 from pie.actors.kv.context import Chain
 from pie.durable import fsync_directory, write_atomically
+from pie.events.sampling import Rle
 
 log = logging.getLogger(__name__)
+
+Masks = tuple[Rle, ...]
+Segment = tuple[int, int, str | None, Masks | None]
+"""(start, end, adapter, masks): one pass of a rebuild; masks None means causal."""
 
 
 @frozen(kw_only=True)
 class SnapshotRecord:
     """What a snapshot's KV is recomputed from: its tokens, run at their positions through the
-    adapters they ran through, with the recorded pages masked (and released) afterwards."""
+    adapters and under the attention masks they ran through, with the recorded pages masked
+    (and released) afterwards."""
 
     user: str
     name: str
@@ -34,13 +42,27 @@ class SnapshotRecord:
     released: tuple[int, ...] = ()
     adapters: tuple[tuple[int, str | None], ...] = ()
     """(first token, adapter) where the adapter changes (see Chain.adapter_runs)."""
+    masks: tuple[tuple[int, Masks], ...] = ()
+    """(first token, one mask per token) for the tokens that ran under custom attention masks,
+    each mask over the kv slots up to its token (see Chain.mask_runs)."""
 
-    def segments(self) -> list[tuple[int, int, str | None]]:
-        """(start, end, adapter) for each run of tokens, in order, empty runs left out."""
-        starts: list[tuple[int, str | None]] = [(0, None), *self.adapters]
-        ends = [*(start for start, _ in starts[1:]), len(self.tokens)]
-        runs = [(start, end, name) for (start, name), end in zip(starts, ends, strict=True)]
-        return [run for run in runs if run[1] > run[0]]
+    def segments(self) -> list[Segment]:
+        """The passes that rebuild the KV, in order: one per run of tokens through one adapter,
+        cut where custom masks begin and end; a masked one carries its tokens' masks."""
+        cuts = {0, len(self.tokens)} | {start for start, _ in self.adapters}
+        cuts |= {edge for start, masks in self.masks for edge in (start, start + len(masks))}
+        edges = sorted(cut for cut in cuts if 0 <= cut <= len(self.tokens))
+        return [self._segment(start, end) for start, end in pairwise(edges)]
+
+    def _segment(self, start: int, end: int) -> Segment:
+        adapter = None
+        for first, name in self.adapters:
+            if first <= start:
+                adapter = name
+        for first, masks in self.masks:
+            if first <= start < first + len(masks):
+                return (start, end, adapter, masks[start - first : end - first])
+        return (start, end, adapter, None)
 
     @classmethod
     def of(cls, user: str, name: str, chain: Chain) -> SnapshotRecord:
@@ -52,6 +74,7 @@ class SnapshotRecord:
             masked=tuple(sorted(chain.masked)),
             released=tuple(chain.released()),
             adapters=tuple(chain.adapter_runs),
+            masks=tuple(chain.mask_runs),
         )
 
     def encode(self) -> bytes:
@@ -65,6 +88,8 @@ class SnapshotRecord:
         }
         if self.adapters:
             body["adapters"] = [list(run) for run in self.adapters]
+        if self.masks:
+            body["masks"] = [[start, [list(mask) for mask in masks]] for start, masks in self.masks]
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -72,9 +97,11 @@ class SnapshotRecord:
         """Raises ValueError on anything but a whole, consistent record."""
         body: Any = json.loads(data)
         keys = {"user", "name", "tokens", "positions", "masked"}
-        # "released" and "adapters" are left out by older records, and "adapters" by one whose
-        # tokens all ran through the base model.
-        if not isinstance(body, dict) or not keys <= set(body) <= keys | {"released", "adapters"}:
+        # "released", "adapters" and "masks" are left out by older records, "adapters" by one
+        # whose tokens all ran through the base model and "masks" by one whose tokens all ran
+        # causally.
+        optional = {"released", "adapters", "masks"}
+        if not isinstance(body, dict) or not keys <= set(body) <= keys | optional:
             raise ValueError("not a snapshot record")
         user, name = body["user"], body["name"]
         if not isinstance(user, str) or not isinstance(name, str):
@@ -87,9 +114,11 @@ class SnapshotRecord:
             masked=_ints(body["masked"], "masked"),
             released=_ints(body.get("released", []), "released"),
             adapters=_runs(body.get("adapters", [])),
+            masks=_mask_runs(body.get("masks", [])),
         )
         if len(record.tokens) != len(record.positions):
             raise ValueError(f"{len(record.tokens)} tokens but {len(record.positions)} positions")
+        _check_mask_runs(record.masks, len(record.tokens))
         return record
 
 
@@ -104,6 +133,40 @@ def _runs(value: Any) -> tuple[tuple[int, str | None], ...]:
     ):
         raise ValueError("adapters must be a list of [first token, adapter name or null]")
     return tuple((run[0], run[1]) for run in runs)
+
+
+def _mask_runs(value: Any) -> tuple[tuple[int, Masks], ...]:
+    runs = value if isinstance(value, list) else None
+    if runs is None or not all(
+        isinstance(run, list)
+        and len(run) == 2
+        and type(run[0]) is int
+        and isinstance(run[1], list)
+        and run[1]
+        for run in runs
+    ):
+        raise ValueError("masks must be a list of [first token, [mask, ...]]")
+    return tuple(
+        (
+            run[0],
+            tuple(_ints(mask, f"the mask of token {run[0] + i}") for i, mask in enumerate(run[1])),
+        )
+        for run in runs
+    )
+
+
+def _check_mask_runs(runs: tuple[tuple[int, Masks], ...], count: int) -> None:
+    """Runs in order, apart, within the tokens, each mask over the slots up to its token."""
+    end = 0
+    for start, masks in runs:
+        if start < end or start + len(masks) > count:
+            raise ValueError(f"the masks from token {start} overlap or pass the {count} tokens")
+        end = start + len(masks)
+        for token, mask in enumerate(masks, start):
+            if sum(mask) != token + 1:
+                raise ValueError(
+                    f"the mask of token {token} covers {sum(mask)} slots, not {token + 1}"
+                )
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:

@@ -60,6 +60,8 @@ class PassPlacement(KvState):
         chain.salt = salt
         chain.adapter = event.adapter
         chain.run_adapter(old_length, event.adapter)
+        if event.attention_masks is not None:
+            chain.run_masks(old_length, event.attention_masks)
         chain.tokens.extend(event.tokens)
         chain.positions.extend(positions)
         chain.in_flight = event.corr
@@ -194,7 +196,7 @@ class PassPlacement(KvState):
         chain.written = min(chain.written, flight.old_length)
         chain.salt = flight.old_salt
         chain.adapter = flight.old_adapter
-        chain.cut_adapter_runs(flight.old_length)
+        chain.cut_runs(flight.old_length)
         taken = list(flight.added_pages)
         for page in [*flight.added_pages, *flight.reused]:
             chain.pages.remove(page)
