@@ -11,9 +11,10 @@ import time
 from collections import Counter
 from typing import Any
 
+_INT4_LINEARS = ("::linear", "::linear_tiled")
 SPLIT = (
-    ("int4 layers", lambda name: name.startswith("pie_q4") and name.endswith("::linear")),
-    ("Q8_0 head", lambda name: name.endswith("::linear8")),
+    ("int4 layers", lambda name: name.startswith("pie_q4") and name.endswith(_INT4_LINEARS)),
+    ("Q8_0 head", lambda name: name.endswith(("::linear8", "::linear8_tiled"))),
     ("int8 layers", lambda name: name == "aten::_int_mm"),
     ("float linears", lambda name: name == "aten::linear"),
     ("attention kernel", lambda name: name.startswith("pie_attention")),
