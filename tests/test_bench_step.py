@@ -16,7 +16,13 @@ from tests.tiny_models import TINY_CASES, save_tiny_model
 def test_the_step_bench_splits_each_mode_by_the_operations_it_runs(tmp_path: Path) -> None:
     save_tiny_model(tmp_path, TINY_CASES["llama-linear-rope-tied"])
     args = argparse.Namespace(
-        batch=2, context=20, steps=3, rounds=2, model=str(tmp_path), weights="dtype"
+        batch=2,
+        context=20,
+        steps=3,
+        rounds=2,
+        model=str(tmp_path),
+        weights="dtype",
+        activations="float32",
     )
     figures = measure(args)
     compiled, torch_ops = figures["compiled"]["split_ms"], figures["torch"]["split_ms"]

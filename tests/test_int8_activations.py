@@ -1,11 +1,11 @@
-"""int4 weights in 16-row tiles, whose decode rows multiply as int8 blocks (`[model] activations`):
-the kernel against a float64 reference of the same arithmetic on every build variant, the tile
-layout, the settings' refusals, and the real model's outputs against float32 activations."""
+"""int4 weights in 16-row tiles, whose inputs multiply as int8 blocks (`[model] activations`):
+the kernel against a float64 reference of the same arithmetic on every build variant, each row
+computed as it would be alone, the tile layout, the settings' refusals, and the real model's
+outputs against float32 activations, alone and batched."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from pie.drivers.loader import load_model
 from pie.drivers.q8_head import Q8Embedding, Q8Linear, quantize_head
 from pie.drivers.quantize4 import Int4Linear, quantize_int4
 from pie.drivers.tiles import int8_activations, tile, untile
+from tests.engine_greedy import engine_greedy
 from tests.kernel_variants import VARIANTS
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
@@ -73,9 +74,11 @@ def test_each_variant_multiplies_tiles_with_int8_rows_as_the_reference_does(vari
 
 @pytest.mark.unit
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_prefill_rows_multiply_tiles_in_float32_and_tiles_dequantize_to_their_blocks(
+def test_each_row_gives_what_it_gives_alone_and_tiles_dequantize_to_their_blocks(
     variant: str,
 ) -> None:
+    """A token's output does not depend on the pass or batch it is in: 50 rows at once (a
+    prefill) equal each row multiplied alone (a decode step), bit for bit."""
     ops = q4_ops(variant)
     torch.manual_seed(1)
     weight = torch.randn(960, 576)
@@ -84,8 +87,11 @@ def test_prefill_rows_multiply_tiles_in_float32_and_tiles_dequantize_to_their_bl
     t4, t8 = tile(four), tile(eight)
     assert torch.equal(ops.dequantize_tiled(t4.packed, t4.scales), four.dequantize())
     assert torch.equal(ops.dequantize8_tiled(t8.packed, t8.scales), eight.dequantize())
-    got = ops.linear_tiled(x, t4.packed, t4.scales)
-    assert _relative(got, x @ four.dequantize().T) < ROUNDING
+    for blocks, tiled, linear in ((four, t4, ops.linear_tiled), (eight, t8, ops.linear8_tiled)):
+        together = linear(x, tiled.packed, tiled.scales)
+        alone = torch.cat([linear(x[i : i + 1], tiled.packed, tiled.scales) for i in range(50)])
+        assert torch.equal(together, alone)
+        assert _relative(together.double(), _int8_reference(x, blocks)) < ROUNDING
     ids = torch.tensor([0, 959, 17, 17])
     assert torch.equal(ops.rows8_tiled(t8.packed, t8.scales, ids), eight.dequantize()[ids])
     with pytest.raises(RuntimeError, match="out of range"):
@@ -130,36 +136,22 @@ def test_int8_activations_without_vnni_and_outside_int4_are_refused(
             return "avx2"
 
     monkeypatch.setattr("pie.drivers.kernels.q4_ops", lambda: NoVnni())
-    assert int8_activations("auto") is False
     assert int8_activations("float32") is False
     with pytest.raises(ValueError, match="AVX-512 VNNI.*avx2"):
         int8_activations("int8")
+    with pytest.raises(ValueError, match="must be one of"):
+        int8_activations("auto")
     with pytest.raises(ValueError, match="applies to int4 weights"):
         _quantize(None, "dtype", None, "int8")
-    assert tiles_module.ACTIVATIONS == ("auto", "float32", "int8")
-
-
-def _decode_rows(model: Any) -> Any:
-    """`model` with every block layer multiplying at most 8 rows at a time, as decode passes
-    do: int8 rows are quantized one by one, so a whole sequence in one pass gives each
-    position what decoding it alone gives."""
-    for module in model.modules():
-        if isinstance(module, Int4Linear | Q8Linear):
-            matmul = module._matmul
-
-            def in_rows(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, f: Any = matmul) -> Any:
-                return torch.cat([f(x[i : i + 8], p, s) for i in range(0, len(x), 8)])
-
-            module._matmul = in_rows
-    return model
+    assert tiles_module.ACTIVATIONS == ("float32", "int8")
 
 
 @pytest.mark.model
 def test_the_real_model_with_int8_rows_mostly_predicts_what_float32_rows_do(
     default_model_dir: Path,  # noqa: F811
 ) -> None:
-    """Teacher-forced over 300 tokens of prose, decode rows as int8 blocks against float32 rows
-    on the same Q4_1 tiles (printed: the share of positions with the same likeliest token, the
+    """Teacher-forced over 300 tokens of prose, rows as int8 blocks against float32 rows on the
+    same Q4_1 blocks (printed: the share of positions with the same likeliest token, the
     logits' error and the text's mean log-probability)."""
     if not q4_ops().int8_dot():
         pytest.skip("the int8 row kernel needs AVX-512 VNNI")
@@ -168,7 +160,7 @@ def test_the_real_model_with_int8_rows_mostly_predicts_what_float32_rows_do(
         loaded = load_model(str(default_model_dir), torch.float32, "cpu")
         quantize_int4(loaded.model, default_model_dir, tiled=tiled)
         quantize_head(loaded.model, tiled=tiled)
-        models.append(_decode_rows(loaded.model))
+        models.append(loaded.model)
     assert isinstance(models[1].model.embed_tokens, Q8Embedding)
     text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
     ids = torch.tensor(loaded.tokenizer.encode(text[:1500])[:300])
@@ -189,18 +181,21 @@ def test_the_real_model_with_int8_rows_mostly_predicts_what_float32_rows_do(
 
 
 @pytest.mark.model
-def test_the_engine_builds_tiled_int4_layers_when_asked_and_exact_ones_for_float32(
+async def test_the_engine_with_int8_rows_gives_each_context_the_same_tokens_alone_and_batched(
     default_model_dir: Path,  # noqa: F811
 ) -> None:
+    """Tiled layers when int8 is asked for (exact ones otherwise), and greedy tokens that do not
+    depend on what else is in the batch."""
+    if not q4_ops().int8_dot():
+        pytest.skip("the int8 row kernel needs AVX-512 VNNI")
     from pie.config import EngineConfig
 
     base = with_overrides(
         EngineConfig(),
         model={"path": str(default_model_dir), "weights": "int4"},
-        kv={"num_pages": 8},
+        kv={"num_pages": 256},
     )
-    expected = {"float32": False, "auto": bool(q4_ops().int8_dot())}
-    for activations, tiled in expected.items():
+    for activations, tiled in {"float32": False, "int8": True}.items():
         config = with_overrides(base, model={"activations": activations})
         driver, _ = build_torch_driver(config)
         layers = [m for m in driver.model.modules() if isinstance(m, Int4Linear)]
@@ -208,3 +203,8 @@ def test_the_engine_builds_tiled_int4_layers_when_asked_and_exact_ones_for_float
         assert {layer.tiled for layer in layers} == {tiled}
         assert isinstance(driver.model.lm_head, Q8Linear)
         assert driver.model.lm_head.tiled == tiled
+    tokenizer = load_model(str(default_model_dir), torch.float32, "cpu").tokenizer
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "1, 2, 3, 4,")]
+    run = await engine_greedy(config, prompts, 12, copies=4)
+    assert run.together == [run.alone[i % 2] for i in range(4)]
+    assert run.stats.scheduler.max_batch_size >= 4

@@ -28,8 +28,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--activations",
-        choices=["auto", "float32", "int8"],
-        help="how int4 weights multiply decode rows: int8 blocks (AVX-512 VNNI) or float32",
+        choices=["float32", "int8"],
+        help="how int4 weights multiply their inputs: float32 (exact) or int8 blocks (AVX-512 "
+        "VNNI, as llama.cpp does)",
     )
     parser.add_argument(
         "--adapter",

@@ -295,6 +295,7 @@ def _bench_step_parser(suites: Commands) -> None:
     step.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     step.add_argument("--model", help="a model (default: the embedded SmolLM2-135M)")
     step.add_argument("--weights", choices=["auto", "dtype", "int8", "int4"], default="auto")
+    step.add_argument("--activations", choices=["float32", "int8"], default="float32")
 
 
 def _bench_peers_parser(suites: Commands) -> None:
@@ -307,7 +308,7 @@ def _bench_peers_parser(suites: Commands) -> None:
     peers.add_argument("--decode-tokens", type=int, default=128)
     peers.add_argument("--prefill-tokens", type=int, default=512)
     peers.add_argument("--concurrency", type=int, default=16)
-    precisions = ["f32", "bf16", "int8/q8_0", "int4/q4_1"]
+    precisions = ["f32", "bf16", "int8/q8_0", "int4/q4_1", "int4-exact/q4_1"]
     peers.add_argument("--precisions", nargs="+", choices=precisions, default=precisions)
     peers.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M)")
     peers.add_argument(

@@ -98,10 +98,10 @@ def _file_weights(loaded: Any) -> Any:
 
 def _quantize(loaded: Any, weights: str, from_file: Any, activations: str) -> str:
     """Applies the weights `_weights` chose; what to say about it at start ("" for the dtype)."""
-    if activations != "auto" and weights != "int4":
+    if activations != "float32" and weights != "int4":
         raise ValueError(
             f"[model] activations = {activations!r} applies to int4 weights, and these are "
-            f"{weights}: leave it at 'auto' or set [model] weights = 'int4'"
+            f"{weights}: leave it at 'float32' or set [model] weights = 'int4'"
         )
     if weights == "int4":
         from pie.drivers.quantize4 import to_int4

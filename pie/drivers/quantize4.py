@@ -1,8 +1,8 @@
 """Linear weights kept in 4 bits on the CPU (`[model] weights = "int4"`): llama.cpp's Q4_1
 blocks (32 weights along the input dimension, w = d * q + m with q in 0..15 and d, m in
-float16), multiplied by the compiled kernel in pie.drivers.kernels. Decode rows of x multiply
-as float32, or, with the weights in 16-row tiles (`[model] activations`, tiles.py), as int8
-blocks the way llama.cpp multiplies them; many rows (prefill) always as float32.
+float16), multiplied by the compiled kernel in pie.drivers.kernels with float32 activations,
+or, with the weights in 16-row tiles (`[model] activations = "int8"`, tiles.py), with every row
+of x in int8 blocks, the way llama.cpp multiplies them.
 
 A model converted from a GGUF file whose layers are Q4_0 or Q4_1 keeps the file's own blocks, so
 the int4 model with float32 activations computes what the float32 model dequantized from that
@@ -44,7 +44,7 @@ Shard = str | int | None
 
 class Int4Linear(nn.Module):
     """y = x W^T + b with W held as Q4_1 blocks: the file's own (`blocks`) or quantized here.
-    `tiled`: in 16-row tiles (tiles.py), whose decode rows multiply as int8 blocks."""
+    `tiled`: in 16-row tiles (tiles.py), whose inputs multiply as int8 blocks."""
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -134,7 +134,7 @@ class FileWeights:
 def to_int4(model: CausalLM, weights: FileWeights, *, tiled: bool = False) -> int:
     """The int4 form of `model`, in place: its decoder's linear layers in Q4_1 blocks and its
     head (with tied embeddings) in Q8_0 blocks, the file's own where `weights` has them, in
-    tiles when `tiled` (decode rows then multiply as int8 blocks). Returns how many modules it
+    tiles when `tiled` (inputs then multiply as int8 blocks). Returns how many modules it
     replaced."""
     layers = quantize_int4(model, weights=weights, tiled=tiled)
     return layers + quantize_head(model, weights.tables, tiled=tiled)

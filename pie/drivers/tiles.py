@@ -1,4 +1,4 @@
-"""Block weights in 16-row tiles, the layout the int8-activation decode kernel reads
+"""Block weights in 16-row tiles, the layout the int8-activation kernel reads
 (kernels/int8_dot.h): block b of 16 consecutive rows stored together, 4 bytes of each row side
 by side, the tile's scales beside them, and Q8_0 levels offset by 128. A layer's tiles replace
 its blocks (same bytes, another order), so tiling costs no memory."""
@@ -11,7 +11,7 @@ from attrs import frozen
 from pie.drivers.gguf_blocks import BLOCK, Q4Blocks, Q8Blocks
 
 TILE = 16
-ACTIVATIONS = ("auto", "float32", "int8")
+ACTIVATIONS = ("float32", "int8")
 
 
 @frozen
@@ -61,18 +61,15 @@ def untile(tiles: Tiles) -> Q4Blocks | Q8Blocks:
 
 
 def int8_activations(setting: str) -> bool:
-    """`[model] activations` decided: int8 (tiled weights) where the kernel build has AVX-512
-    VNNI, float32 otherwise; "int8" on a CPU without it is refused."""
+    """Whether `[model] activations` asks for int8 rows (and so tiled weights); "int8" on a CPU
+    whose kernel build lacks AVX-512 VNNI is refused."""
     from pie.drivers.kernels import q4_ops
 
     if setting not in ACTIVATIONS:
         raise ValueError(f"[model] activations must be one of {ACTIVATIONS}, not {setting!r}")
-    if setting == "float32":
-        return False
-    fast = bool(q4_ops().int8_dot())
-    if setting == "int8" and not fast:
+    if setting == "int8" and not q4_ops().int8_dot():
         raise ValueError(
             "[model] activations = 'int8' needs AVX-512 VNNI, which this CPU's kernel build "
-            f"({q4_ops().isa()}) lacks: use 'auto' or 'float32'"
+            f"({q4_ops().isa()}) lacks: use 'float32'"
         )
-    return fast
+    return setting == "int8"

@@ -49,7 +49,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pie.drivers.factory import build_torch_driver
     from pie.drivers.models.layers import TORCH_KERNELS
 
-    model = {"weights": args.weights, **({"path": args.model} if args.model else {})}
+    model = {
+        "weights": args.weights,
+        "activations": args.activations,
+        **({"path": args.model} if args.model else {}),
+    }
     pages = args.batch * 2 * (-(-(args.context + args.rounds * args.steps * 2) // 16) + 1)
     config = with_overrides(EngineConfig(), model=model, kv={"num_pages": pages, "page_size": 16})
     driver, _ = build_torch_driver(config)

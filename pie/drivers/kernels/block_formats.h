@@ -1,8 +1,7 @@
 // What pie's block-weight kernels share: W [n, k] in blocks of 32 weights along its input
 // dimension in one of llama.cpp's formats, Q4_1 (w = d * q + m, q in 0..15; a block's low
 // nibbles are weights 0..15 and its high nibbles 16..31) or Q8_0 (w = d * q, q an int8); the
-// instruction set's block dequantization; and the many-rows path, float chunks of W through
-// torch's matmul. Included by q4_linear.cpp and int8_dot.h.
+// instruction set's block dequantization. Included by q4_linear.cpp and int8_dot.h.
 
 #pragma once
 
@@ -162,26 +161,6 @@ void dequant_rows(const Weight<F>& w, int64_t begin, int64_t end, float* out,
       }
     }
   }
-}
-
-// y a chunk of W's rows at a time: each chunk is dequantized (by `fill(n0, n1, out)`) into a
-// float scratch of a few MB and multiplied in one matmul (small tiles made the matmul re-pack x
-// for every tile and ran 1.6x slower than float32), so W never exists in float32 as a whole.
-template <class Fill>
-at::Tensor chunked(const at::Tensor& x, int64_t n, int64_t k, Fill fill) {
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
-  const int64_t chunk = std::min(n, std::max<int64_t>(64, kChunkFloats / k) / 16 * 16);
-  at::Tensor scratch = at::empty({chunk, k}, x.options());
-  float* dst = scratch.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += chunk) {
-    const int64_t rows = std::min(chunk, n - n0);
-    at::parallel_for(n0, n0 + rows, 16, [&](int64_t begin, int64_t end) {
-      fill(begin, end, dst + (begin - n0) * k);
-    });
-    at::Tensor out = y.narrow(1, n0, rows);
-    at::mm_out(out, x, scratch.narrow(0, 0, rows).t());
-  }
-  return y;
 }
 
 }  // namespace

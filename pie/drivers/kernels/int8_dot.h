@@ -186,9 +186,9 @@ void tile_levels(const uint8_t* block, __m512i* levels) {
   }
 }
 
-// y[r, 16 t .. 16 t + 15] for R rows of x and tile t.
+// y[r0 + r, 16 t .. 16 t + 15] for rows r0 .. r0 + R - 1 of x and tile t.
 template <class F, int R>
-void int8_tile(const XBlocks& x, const Tiled<F>& w, int64_t t, float* y) {
+void int8_tile(const XBlocks& x, int64_t r0, const Tiled<F>& w, int64_t t, float* y) {
   __m512 acc[R], extra[R];
   for (int r = 0; r < R; ++r) acc[r] = extra[r] = _mm512_setzero_ps();
   const int64_t blocks = w.blocks();
@@ -206,7 +206,7 @@ void int8_tile(const XBlocks& x, const Tiled<F>& w, int64_t t, float* y) {
         : d;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int64_t rb = r * blocks + b;
+      const int64_t rb = (r0 + r) * blocks + b;
       __m512i dot = tile_dot(levels, x.levels.data() + rb * kBlock);
       if constexpr (F::kScales == 1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(x.offset[rb]));
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.dx[rb]));
@@ -214,32 +214,39 @@ void int8_tile(const XBlocks& x, const Tiled<F>& w, int64_t t, float* y) {
       if constexpr (F::kScales == 2) extra[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sums[rb]), extra[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * w.n + t * kTile, _mm512_add_ps(acc[r], extra[r]));
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(y + (r0 + r) * w.n + t * kTile, _mm512_add_ps(acc[r], extra[r]));
 }
 
-template <class F, int R>
-void int8_tiles(const XBlocks& x, const Tiled<F>& w, float* y) {
-  at::parallel_for(0, w.n / kTile, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) int8_tile<F, R>(x, w, t, y);
-  });
+// Every row of x against tile t, up to 8 rows a call, so the tile stays in cache while all
+// of them read it.
+template <class F>
+void int8_tile_rows(const XBlocks& x, const Tiled<F>& w, int64_t t, float* y) {
+  for (int64_t r0 = 0; r0 < x.rows; r0 += 8) {
+    switch (std::min<int64_t>(8, x.rows - r0)) {
+      case 1: int8_tile<F, 1>(x, r0, w, t, y); break;
+      case 2: int8_tile<F, 2>(x, r0, w, t, y); break;
+      case 3: int8_tile<F, 3>(x, r0, w, t, y); break;
+      case 4: int8_tile<F, 4>(x, r0, w, t, y); break;
+      case 5: int8_tile<F, 5>(x, r0, w, t, y); break;
+      case 6: int8_tile<F, 6>(x, r0, w, t, y); break;
+      case 7: int8_tile<F, 7>(x, r0, w, t, y); break;
+      default: int8_tile<F, 8>(x, r0, w, t, y);
+    }
+  }
 }
 
 #endif  // PIE_INT8_DOT
 
-// y [rows, N] for up to kFusedRows rows of x given as XBlocks.
+// y [rows, N] for every row of x given as XBlocks. Each row's result depends on that row
+// alone, computed in the same order whatever the rows beside it: a token gives the same
+// output in a decode step, a prefill and any batch.
 template <class F>
 void int8_linear_rows(const XBlocks& x, const Tiled<F>& w, float* y) {
 #if PIE_INT8_DOT
-  switch (x.rows) {
-    case 1: return int8_tiles<F, 1>(x, w, y);
-    case 2: return int8_tiles<F, 2>(x, w, y);
-    case 3: return int8_tiles<F, 3>(x, w, y);
-    case 4: return int8_tiles<F, 4>(x, w, y);
-    case 5: return int8_tiles<F, 5>(x, w, y);
-    case 6: return int8_tiles<F, 6>(x, w, y);
-    case 7: return int8_tiles<F, 7>(x, w, y);
-    default: return int8_tiles<F, 8>(x, w, y);
-  }
+  at::parallel_for(0, w.n / kTile, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) int8_tile_rows<F>(x, w, t, y);
+  });
 #else
   std::vector<uint8_t> packed(w.n * w.blocks() * F::kBytes);
   std::vector<c10::Half> scales(w.n * w.blocks() * F::kScales);

@@ -93,11 +93,24 @@ void fused_any(const float* x, int64_t rows, const Weight<F>& w, float* y) {
 
 #endif  // PIE_Q4_FUSED
 
+// y a chunk of W's rows at a time: each chunk is dequantized into a float scratch of a few MB
+// and multiplied in one matmul (small tiles made the matmul re-pack x for every tile and ran
+// 1.6x slower than float32), so W never exists in float32 as a whole.
 template <class F>
 at::Tensor chunked(const at::Tensor& x, const Weight<F>& w) {
-  return chunked(x, w.n, w.k, [&](int64_t begin, int64_t end, float* out) {
-    dequant_rows(w, begin, end, out);
-  });
+  at::Tensor y = at::empty({x.size(0), w.n}, x.options());
+  const int64_t chunk = std::min(w.n, std::max<int64_t>(64, kChunkFloats / w.k));
+  at::Tensor scratch = at::empty({chunk, w.k}, x.options());
+  float* dst = scratch.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < w.n; n0 += chunk) {
+    const int64_t rows = std::min(chunk, w.n - n0);
+    at::parallel_for(n0, n0 + rows, 16, [&](int64_t begin, int64_t end) {
+      dequant_rows(w, begin, end, dst + (begin - n0) * w.k);
+    });
+    at::Tensor out = y.narrow(1, n0, rows);
+    at::mm_out(out, x, scratch.narrow(0, 0, rows).t());
+  }
+  return y;
 }
 
 template <class F>
@@ -156,8 +169,7 @@ Tiled<F> checked_tiled(const at::Tensor& packed, const at::Tensor& scales, const
   return Tiled<F>{packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), n, blocks * kBlock};
 }
 
-// y = x W^T with W in 16-row tiles (int8_dot.h): decode rows with x in int8 blocks, many rows
-// (prefill) as `linear` does them, through float chunks of W.
+// y = x W^T with W in 16-row tiles (int8_dot.h) and every row of x in int8 blocks.
 template <class F>
 at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const char* what) {
@@ -166,18 +178,9 @@ at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& packed, const at:
               what, " linear: expected float32 x of shape [T, ", w.k, "], got ", x.sizes(), " ",
               x.scalar_type());
   const at::Tensor rows = x.contiguous();
-  const int64_t t = rows.size(0);
-  if (t >= kChunkedFrom) {
-    return chunked(rows, w.n, w.k, [&](int64_t begin, int64_t end, float* out) {
-      dequant_tiled(w, begin, end, out);
-    });
-  }
-  at::Tensor y = at::empty({t, w.n}, rows.options());
-  for (int64_t r = 0; r < t; r += kFusedRows) {
-    const int64_t count = std::min(kFusedRows, t - r);
-    const XBlocks q = quantize_x(rows.data_ptr<float>() + r * w.k, count, w.k);
-    int8_linear_rows<F>(q, w, y.data_ptr<float>() + r * w.n);
-  }
+  at::Tensor y = at::empty({rows.size(0), w.n}, rows.options());
+  const XBlocks q = quantize_x(rows.data_ptr<float>(), rows.size(0), w.k);
+  int8_linear_rows<F>(q, w, y.data_ptr<float>());
   return y;
 }
 
