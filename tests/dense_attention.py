@@ -45,5 +45,6 @@ def dense_logits(
     """float32 logits of `model` over `ids` as one sequence at positions 0..T-1, through the
     dense reference with `layers` (None: the model's own per-layer options)."""
     attention = DenseCausalAttention(model.attention_layers() if layers is None else layers)
+    positions = torch.tensor(model.rope_positions(range(ids.numel()), [0, ids.numel()]))
     with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(ids.numel()), attention))
+        return model.compute_logits(model(ids, positions, attention))

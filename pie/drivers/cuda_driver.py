@@ -98,7 +98,8 @@ class CudaDriver(TorchDriver):
         adapted = any(name is not None for name in batch.adapters)
         graph = None if adapted else self._graph_for(plan)
         if graph is not None:
-            graph.prepare(batch.token_ids, batch.positions, plan.write_rows, plan.groups[0])
+            positions = self._rope_positions(batch)
+            graph.prepare(batch.token_ids, positions, plan.write_rows, plan.groups[0])
             return graph
         return self.kernels.attention(plan, batch.num_tokens)
 

@@ -287,13 +287,16 @@ class TorchDriver:
         device = self.cache.device
         hidden = self.model(
             torch.tensor(batch.token_ids, dtype=torch.long, device=device),
-            torch.tensor(batch.positions, dtype=torch.long, device=device),
+            torch.tensor(self._rope_positions(batch), dtype=torch.long, device=device),
             prepared,
         )
         if not batch.slot_ops:
             return None
         slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
+
+    def _rope_positions(self, batch: ForwardBatch) -> list[int]:
+        return self.model.rope_positions(batch.positions, batch.qo_indptr)
 
     def _allowed_tokens(self, batch: ForwardBatch) -> torch.Tensor | None:
         """[slots, vocab] bool from each slot's request logit mask; None when none has one."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -78,6 +78,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] (float32)."""
         raise NotImplementedError
+
+    def rope_positions(self, positions: Sequence[int], qo_indptr: Sequence[int]) -> list[int]:
+        """The rows of the rotary tables a pass's tokens read (request r owns tokens
+        qo_indptr[r] to qo_indptr[r + 1]): their positions, unless the architecture keeps
+        several tables end to end (Phi-3's LongRoPE)."""
+        return list(positions)
 
     rope_types: tuple[str, ...] = ()
     """Rope scaling types this architecture implements itself, beyond layers.py's."""

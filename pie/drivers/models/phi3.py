@@ -39,29 +39,42 @@ def rotary_dim(config: ModelConfig) -> int:
 
 class LongRope(RotaryEmbedding):
     """LongRoPE's tables: each frequency divided by its own rescale factor, and cos and sin
-    multiplied by the attention factor (which so scales both q and k)."""
+    multiplied by the attention factor (which so scales both q and k). A model that holds
+    positions past its original length gets two tables end to end: the short factors for
+    positions [0, original), then the long factors for every position, read from row
+    `long_offset` + position (see `Phi3ForCausalLM.rope_positions`)."""
 
     def __init__(
         self,
         dim: int,
         max_positions: int,
         theta: float,
-        rescale: Sequence[float],
+        factors: Sequence[Sequence[float]],
         attention_factor: float,
+        long_offset: int | None = None,
     ) -> None:
-        super().__init__(dim, max_positions, theta, None)
+        """`factors`: the short rescale factors, then (with `long_offset`) the long ones."""
+        rows = max_positions if long_offset is None else long_offset + max_positions
+        super().__init__(dim, rows, theta, None)
+        self.long_offset = long_offset
+        spans = [max_positions] if long_offset is None else [long_offset, max_positions]
         exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
-        inv_freq = 1.0 / (torch.tensor(rescale, dtype=torch.float32) * theta**exponents)
-        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        tables = []
+        for rescale, span in zip(factors, spans, strict=True):
+            inv_freq = 1.0 / (torch.tensor(rescale, dtype=torch.float32) * theta**exponents)
+            tables.append(torch.arange(span, dtype=torch.float32)[:, None] * inv_freq[None, :])
+        angles = torch.cat(tables)
         self.cos.copy_(angles.cos() * attention_factor)
         self.sin.copy_(angles.sin() * attention_factor)
 
 
 def longrope(config: ModelConfig) -> LongRope:
-    """transformers switches from the short to the long factors once a sequence outgrows
-    original_max_position_embeddings, and recomputes every cached key when it does. Keys here
-    are written once, so one set serves every token: the long factors when the model holds
-    positions past the original length (a long-context model), else the short ones."""
+    """transformers rotates a forward pass with the short factors while its furthest position
+    is inside original_max_position_embeddings and with the long ones past it (its generate
+    re-encodes the sequence when it first grows past). Here the choice is made per request of
+    a pass: a model that holds positions past the original length has both tables, and a
+    request whose furthest position in the pass is past it reads the long one; keys already
+    written keep their rotation."""
     params = rope_parameters(config.raw)
     original = int(config.raw["original_max_position_embeddings"])
     factor = params.get("factor")
@@ -73,16 +86,21 @@ def longrope(config: ModelConfig) -> LongRope:
         if factor > 1.0:
             attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
     dim = rotary_dim(config)
-    key = "long_factor" if config.max_position_embeddings > original else "short_factor"
-    rescale = params.get(key)
-    if not isinstance(rescale, list) or len(rescale) != dim // 2:
-        raise ValueError(f"longrope needs a {key} of {dim // 2} numbers, not {rescale!r}")
+    long_context = config.max_position_embeddings > original
+    keys = ("short_factor", "long_factor") if long_context else ("short_factor",)
+    factors = []
+    for key in keys:
+        rescale = params.get(key)
+        if not isinstance(rescale, list) or len(rescale) != dim // 2:
+            raise ValueError(f"longrope needs a {key} of {dim // 2} numbers, not {rescale!r}")
+        factors.append(rescale)
     return LongRope(
         dim,
         config.max_position_embeddings,
         config.rope_theta,
-        rescale,
+        factors,
         float(attention_factor),
+        original if long_context else None,
     )
 
 
@@ -133,6 +151,19 @@ class Phi3ForCausalLM(MistralForCausalLM):
         super().__init__(evolve(config, rope_scaling=None))
         self.config = config
         self.model.rotary_emb = phi3_rotary(config)
+
+    def rope_positions(self, positions: Sequence[int], qo_indptr: Sequence[int]) -> list[int]:
+        """Each request of the pass whose furthest position is past the original length reads
+        LongRoPE's long table (its rows start at `long_offset`)."""
+        rotary = self.model.rotary_emb
+        offset = rotary.long_offset if isinstance(rotary, LongRope) else None
+        if offset is None or not positions or max(positions) < offset:
+            return list(positions)
+        out = list(positions)
+        for start, end in zip(qo_indptr, qo_indptr[1:], strict=False):
+            if end > start and max(positions[start:end]) >= offset:
+                out[start:end] = [p + offset for p in positions[start:end]]
+        return out
 
     @classmethod
     def check_hf_config(cls, raw: dict[str, Any]) -> None:
