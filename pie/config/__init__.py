@@ -1,5 +1,5 @@
 """Engine configuration: a TOML file with sections [model], [driver], [kv], [scheduler],
-[event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar].
+[event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar], [media].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -26,6 +26,7 @@ from pie.config.engine_sections import (
     SandboxConfig,
     SchedulerConfig,
 )
+from pie.config.media_section import MediaConfig
 from pie.config.service_sections import (
     GrammarConfig,
     HttpConfig,
@@ -56,6 +57,7 @@ class EngineConfig:
     server: ServerConfig = ServerConfig()
     http: HttpConfig = HttpConfig()
     grammar: GrammarConfig = GrammarConfig()
+    media: MediaConfig = MediaConfig()
 
 
 class ConfigError(ValueError):
@@ -139,6 +141,7 @@ __all__ = [
     "KvConfig",
     "McpConfig",
     "McpServerConfig",
+    "MediaConfig",
     "ModelConfig",
     "NetworkConfig",
     "SandboxConfig",
