@@ -28,6 +28,7 @@ ALLOWED = {
     "pie.grammar": {"pie.events"},
     "pie.sandbox": {"pie.events", "pie.grammar"},
     "pie.drivers": {"pie.config", "pie.events"},
+    "pie.media": {"pie.config"},
     "pie.dataplane": {"pie.drivers", "pie.events"},
     "pie.actors": {
         "pie",
@@ -74,6 +75,7 @@ THIRD_PARTY_BANNED = {
     "pie.events": {"torch", "trio", "wasmtime"},
     "pie.drivers": {"trio", "wasmtime"},
     "pie.dataplane": {"trio", "wasmtime"},
+    "pie.media": {"trio", "wasmtime"},
     "pie.sandbox": {"torch", "trio"},
     "pie.grammar": {"torch", "trio", "wasmtime"},
     "pie.build": {"torch", "trio", "wasmtime"},
