@@ -230,6 +230,7 @@ class PagedAttention:
         in_place = in_place_decode and reads_in_place(cache)
         self.groups: list[_Group] = []
         write_rows = torch.zeros(batch.num_tokens, dtype=torch.long)
+        tokens = torch.empty(0, dtype=torch.long)
         for requests in _group_requests(batch):
             builder = _GroupBuilder(batch, cache, requests)
             group, tokens, rows = builder.build(cache.device, windows, in_place)
@@ -239,9 +240,7 @@ class PagedAttention:
         self.write_v_rows = self.write_rows + cache.page_size
         # One group holding every token in order (every decode step of one kind): its layers
         # read q as it is instead of selecting its rows.
-        self.whole = len(self.groups) == 1 and torch.equal(
-            self.groups[0].tokens.cpu(), torch.arange(batch.num_tokens)
-        )
+        self.whole = len(self.groups) == 1 and torch.equal(tokens, torch.arange(batch.num_tokens))
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -295,7 +295,7 @@ class TorchDriver:
         slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
 
-    def _rope_positions(self, batch: ForwardBatch) -> list[int]:
+    def _rope_positions(self, batch: ForwardBatch) -> Sequence[int]:
         return self.model.rope_positions(batch.positions, batch.qo_indptr)
 
     def _allowed_tokens(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -19,9 +19,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kFusedRows = 8;   // the register kernel's widest batch of x rows
-constexpr int64_t kChunkedFrom = 48;  // from here dequantizing + matmul beat ceil(T / 8) passes
-constexpr int64_t kChunkFloats = 1 << 21;  // 8 MB of float32 scratch per chunk of W
 constexpr int64_t kScaleChunk = 64;  // blocks whose scales are widened to float32 at a time
 
 // A weight [n, k] in format F: `packed` holds F::kBytes bytes per block, `scales` F::kScales

@@ -186,7 +186,8 @@ void tile_levels(const uint8_t* block, __m512i* levels) {
   }
 }
 
-// y[r0 + r, 16 t .. 16 t + 15] for rows r0 .. r0 + R - 1 of x and tile t.
+// y[r0 + r, 16 t .. 16 t + 15] for rows r0 .. r0 + R - 1 of x and tile t. Only the first rows
+// to read the tile prefetch ahead of it: for later ones the tile is in cache.
 template <class F, int R>
 void int8_tile(const XBlocks& x, int64_t r0, const Tiled<F>& w, int64_t t, float* y) {
   __m512 acc[R], extra[R];
@@ -194,10 +195,13 @@ void int8_tile(const XBlocks& x, int64_t r0, const Tiled<F>& w, int64_t t, float
   const int64_t blocks = w.blocks();
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i levels[8];
-    for (int64_t c = 0; c < kTile * F::kBytes; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w.block(t, b)) + kPrefetchBytes + c, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w.block_scales(t, b)) + kPrefetchBytes / 8,
-                 _MM_HINT_T0);
+    if (r0 == 0) {
+      for (int64_t c = 0; c < kTile * F::kBytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.block(t, b)) + kPrefetchBytes + c,
+                     _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w.block_scales(t, b)) + kPrefetchBytes / 8,
+                   _MM_HINT_T0);
+    }
     tile_levels<F>(w.block(t, b), levels);
     const c10::Half* s = w.block_scales(t, b);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));

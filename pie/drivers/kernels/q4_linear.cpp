@@ -1,7 +1,7 @@
-// y = x W^T on the CPU with W in Q4_1 or Q8_0 blocks (block_formats.h). A few rows of x
-// (decode) are multiplied with each block dequantized in registers, or, with W in 16-row tiles,
-// as int8 blocks (int8_dot.h); many rows (prefill) go through float chunks of W and torch's
-// matmul.
+// y = x W^T on the CPU with W in Q4_1 or Q8_0 blocks (block_formats.h). With float32 x, a few
+// rows (decode) are multiplied with each block dequantized in registers and many rows (prefill)
+// go through float chunks of W and torch's matmul; with W in 16-row tiles, every row of x is
+// multiplied as int8 blocks (int8_dot.h).
 
 #include <torch/library.h>
 
@@ -11,6 +11,10 @@
 #include "int8_dot.h"
 
 namespace {
+
+constexpr int64_t kFusedRows = 8;   // the register kernel's widest batch of x rows
+constexpr int64_t kChunkedFrom = 48;  // from here dequantizing + matmul beat ceil(T / 8) passes
+constexpr int64_t kChunkFloats = 1 << 21;  // 8 MB of float32 scratch per chunk of W
 
 #if PIE_Q4_FUSED
 constexpr int kAccs = 2;  // two accumulator chains per output hide the FMA latency

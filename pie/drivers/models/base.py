@@ -79,11 +79,11 @@ class CausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab_size] (float32)."""
         raise NotImplementedError
 
-    def rope_positions(self, positions: Sequence[int], qo_indptr: Sequence[int]) -> list[int]:
+    def rope_positions(self, positions: Sequence[int], qo_indptr: Sequence[int]) -> Sequence[int]:
         """The rows of the rotary tables a pass's tokens read (request r owns tokens
         qo_indptr[r] to qo_indptr[r + 1]): their positions, unless the architecture keeps
         several tables end to end (Phi-3's LongRoPE)."""
-        return list(positions)
+        return positions
 
     rope_types: tuple[str, ...] = ()
     """Rope scaling types this architecture implements itself, beyond layers.py's."""

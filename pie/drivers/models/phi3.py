@@ -152,13 +152,13 @@ class Phi3ForCausalLM(MistralForCausalLM):
         self.config = config
         self.model.rotary_emb = phi3_rotary(config)
 
-    def rope_positions(self, positions: Sequence[int], qo_indptr: Sequence[int]) -> list[int]:
+    def rope_positions(self, positions: Sequence[int], qo_indptr: Sequence[int]) -> Sequence[int]:
         """Each request of the pass whose furthest position is past the original length reads
         LongRoPE's long table (its rows start at `long_offset`)."""
         rotary = self.model.rotary_emb
         offset = rotary.long_offset if isinstance(rotary, LongRope) else None
         if offset is None or not positions or max(positions) < offset:
-            return list(positions)
+            return positions
         out = list(positions)
         for start, end in zip(qo_indptr, qo_indptr[1:], strict=False):
             if end > start and max(positions[start:end]) >= offset:
