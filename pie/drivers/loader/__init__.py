@@ -14,6 +14,7 @@ from pie.drivers.loader.config import model_config_from_hf
 from pie.drivers.loader.resolve import DEFAULT_MODEL, resolve_model
 from pie.drivers.loader.safetensors import load_safetensors
 from pie.drivers.models import CausalLM, ModelConfig, build_model
+from pie.drivers.models.media import MediaTowers
 from pie.drivers.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "fill_weights", "load_model", "open_model", "resolve_model"]
@@ -48,6 +49,9 @@ def fill_weights(loaded: LoadedModel, skip: Collection[tuple[str, str | int | No
     """Copies the checkpoint's weights in and sets eval mode; the (parameter, shard) pairs in
     `skip` are neither read nor written: the caller supplies those layers itself."""
     load_safetensors(loaded.model, loaded.path, skip)
+    processor = loaded.path / "preprocessor_config.json"
+    if isinstance(loaded.model, MediaTowers) and processor.is_file():
+        loaded.model.processor = json.loads(processor.read_text())
     loaded.model.eval()
 
 

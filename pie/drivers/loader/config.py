@@ -16,6 +16,7 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported model_type {model_type!r}; supported: {sorted(MODEL_REGISTRY)}"
         )
     model_cls = MODEL_REGISTRY[model_type]
+    raw = model_cls.flat_hf_config(raw)
     # A key the file leaves out takes the architecture's default; one it sets to null is unset
     # (Qwen3's `head_dim: null` means hidden_size / heads, Mistral's `sliding_window: null`
     # means full attention), as in transformers' config classes.

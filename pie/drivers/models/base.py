@@ -92,6 +92,12 @@ class CausalLM(nn.Module):
     when a file leaves them out (e.g. Qwen3's head_dim of 128)."""
 
     @classmethod
+    def flat_hf_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """config.json with the language model's keys at the top level, where a multimodal
+        checkpoint nests them (`text_config`); the rest of `raw` stays as it is."""
+        return raw
+
+    @classmethod
     def check_hf_config(cls, raw: dict[str, Any]) -> None:
         """Raises ValueError naming a config.json feature this implementation does not have."""
         act = raw.get("hidden_act", "silu")
