@@ -4,7 +4,7 @@ pass carries into the language model."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -137,9 +137,13 @@ class MediaTowers:
     processor: Mapping[str, Any] = {}
     """The checkpoint's preprocessor_config.json (empty when it has none); set by the loader."""
 
-    def prepare(self, kind: str, decoded: Any) -> PreparedMedia:
+    def prepare(
+        self, kind: str, decoded: Any, tokenize: Callable[[str], Sequence[int]]
+    ) -> PreparedMedia:
         """Decoded media (pie.media: DecodedImage, DecodedVideo, DecodedAudio) made ready for
-        this model: resized, patched, normalised; ValueError names what the model refuses."""
+        this model: resized, patched, normalised, with its span's text pieces encoded by
+        `tokenize` (the model's tokenizer, no special-token handling added); ValueError names
+        what the model refuses."""
         raise NotImplementedError
 
     def encode(self, items: Sequence[PreparedMedia]) -> list[torch.Tensor]:
