@@ -27,7 +27,7 @@ ALLOWED = {
     "pie.wire": {"pie.events"},
     "pie.grammar": {"pie.events"},
     "pie.sandbox": {"pie.events", "pie.grammar"},
-    "pie.drivers": {"pie.config", "pie.events"},
+    "pie.drivers": {"pie.config", "pie.events", "pie.media"},
     "pie.media": {"pie.config"},
     "pie.dataplane": {"pie.drivers", "pie.events"},
     "pie.actors": {

@@ -75,9 +75,13 @@ class _Reply:
 class Requester:
     """Start with `await nursery.start(requester.run)`; `close()` ends it."""
 
-    def __init__(self, router: Router, address: str, corr_ids: Iterator[int]) -> None:
+    def __init__(
+        self, router: Router, address: str, corr_ids: Iterator[int], *, kv: str = "kv"
+    ) -> None:
+        """`kv`: the kv actor of the model whose contexts this requester works with."""
         self.router = router
         self.address = address
+        self.kv = kv
         self._corr = corr_ids
         self._inbox = router.register(address, REPLIES, capacity=65536)
         self._waiting: dict[int, _Reply] = {}
@@ -132,38 +136,40 @@ class Requester:
     # -- contexts ----------------------------------------------------------------------------
 
     async def create_context(self, user: str = "local") -> int:
-        return (await self.call("kv", kv_ev.CreateContext, user=user)).context
+        return (await self.call(self.kv, kv_ev.CreateContext, user=user)).context
 
     async def fork(self, context: int) -> int:
-        return (await self.call("kv", kv_ev.ForkContext, context=context)).context
+        return (await self.call(self.kv, kv_ev.ForkContext, context=context)).context
 
     async def destroy(self, context: int) -> None:
-        await self.call("kv", kv_ev.DestroyContext, context=context)
+        await self.call(self.kv, kv_ev.DestroyContext, context=context)
 
     async def save(self, context: int, name: str, user: str = "local") -> None:
-        await self.call("kv", kv_ev.SaveContext, context=context, name=name, user=user)
+        await self.call(self.kv, kv_ev.SaveContext, context=context, name=name, user=user)
 
     async def open(self, name: str, user: str = "local", take: bool = False) -> int:
-        return (await self.call("kv", kv_ev.OpenContext, name=name, user=user, take=take)).context
+        opened = await self.call(self.kv, kv_ev.OpenContext, name=name, user=user, take=take)
+        return opened.context
 
     async def delete_snapshot(self, name: str, user: str = "local") -> None:
-        await self.call("kv", kv_ev.DeleteSnapshot, name=name, user=user)
+        await self.call(self.kv, kv_ev.DeleteSnapshot, name=name, user=user)
 
     async def truncate(self, context: int, count: int) -> None:
-        await self.call("kv", kv_ev.TruncateContext, context=context, count=count)
+        await self.call(self.kv, kv_ev.TruncateContext, context=context, count=count)
 
     async def reserve(self, context: int, count: int) -> None:
         """Takes now the pages `count` more tokens will need, so later passes allocate none."""
-        await self.call("kv", kv_ev.ReserveTokens, context=context, count=count)
+        await self.call(self.kv, kv_ev.ReserveTokens, context=context, count=count)
 
     async def mask_pages(self, context: int, pages: tuple[int, ...], masked: bool = True) -> None:
-        await self.call("kv", kv_ev.MaskPages, context=context, pages=tuple(pages), masked=masked)
+        pages = tuple(pages)
+        await self.call(self.kv, kv_ev.MaskPages, context=context, pages=pages, masked=masked)
 
     async def release_pages(self, context: int, pages: tuple[int, ...]) -> None:
-        await self.call("kv", kv_ev.ReleasePages, context=context, pages=tuple(pages))
+        await self.call(self.kv, kv_ev.ReleasePages, context=context, pages=tuple(pages))
 
     async def describe(self, context: int) -> kv_ev.ContextInfo:
-        info: kv_ev.ContextInfo = await self.call("kv", kv_ev.DescribeContext, context=context)
+        info: kv_ev.ContextInfo = await self.call(self.kv, kv_ev.DescribeContext, context=context)
         return info
 
     async def forward(
@@ -180,7 +186,7 @@ class Requester:
         """Appends `tokens` to the context in one pass (through LoRA `adapter` when named) and
         returns one output per slot."""
         done: ForwardCompleted = await self.call(
-            "kv",
+            self.kv,
             kv_ev.SubmitForward,
             context=context,
             tokens=tuple(tokens),
@@ -243,7 +249,7 @@ class Requester:
                 # An inferlet does not outlive the requester that launched it.
                 with contextlib.suppress(RequestRefused):  # it may have ended already
                     await self.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
-            await self.call("kv", kv_ev.ReleaseRequester)
+            await self.call(self.kv, kv_ev.ReleaseRequester)
             await self.call("bus", bus_ev.LeaveBus)
         self.router.unregister(self.address)
         self._topics.clear()

@@ -101,12 +101,35 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     async def status(client: Client) -> int:
-        stats = attrs.asdict(await client.statistics())
+        status = await client.statistics()
+        stats = attrs.asdict(status)
         stats.pop("corr")
+        stats.pop("models")
         print(_table([(name, _number(value)) for name, value in stats.items()]))
+        if status.models:
+            print()
+            print(
+                _table(
+                    [("model", "reads", "produces", "pages free", "contexts", "passes")]
+                    + [_model_row(m) for m in status.models]
+                )
+            )
         return 0
 
     return _run(args, status)
+
+
+def _model_row(load: Any) -> tuple[str, ...]:
+    card = load.card
+    pages = f"{load.pages_free}/{load.pages_total}"
+    return (
+        card.name,
+        ",".join(card.inputs),
+        ",".join(card.outputs),
+        pages,
+        str(load.contexts),
+        str(load.passes),
+    )
 
 
 def run_watch(args: argparse.Namespace) -> int:

@@ -17,7 +17,12 @@ DEFAULT_SERVER_URL = "ws://127.0.0.1:8080"
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="engine config file (TOML)")
     parser.add_argument(
-        "--model", help="HF model directory, .gguf file, or an alias: smollm2-135m, gemma3-270m"
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="HF model directory, .gguf file, or an alias: smollm2-135m, gemma3-270m; repeat "
+        "as NAME=PATH to serve several models side by side, the first the default",
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
@@ -55,20 +60,45 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pie.config import load_config, with_overrides
 
     config = load_config(args.config)
+    config = _with_models(config, getattr(args, "model", None) or [])
     adapters = dict(config.model.adapters)
     for given in getattr(args, "adapter", []):
         name, sep, path = given.partition("=")
         if not sep:
             raise ValueError(f"--adapter wants NAME=PATH, got {given!r}")
         adapters[name] = path
-    return with_overrides(
-        config,
-        model={
-            "path": args.model,
-            "dtype": args.dtype,
-            "device": args.device,
-            "weights": getattr(args, "weights", None),
-            "activations": getattr(args, "activations", None),
-            "adapters": adapters or None,
-        },
+    shared = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "weights": getattr(args, "weights", None),
+        "activations": getattr(args, "activations", None),
+    }
+    config = with_overrides(config, model={**shared, "adapters": adapters or None})
+    if not config.models:
+        return config
+    import attrs
+
+    others = tuple(
+        attrs.evolve(m, **{k: v for k, v in shared.items() if v is not None})
+        for m in config.models[1:]
     )
+    return attrs.evolve(config, models=(config.model, *others))
+
+
+def _with_models(config: EngineConfig, given: list[str]) -> EngineConfig:
+    """--model PATH replaces [model]'s path; NAME=PATH, or several, replace the served models
+    with [[models]] entries that keep [model]'s other keys. The flags that follow (--dtype,
+    --weights...) then apply to the default model."""
+    import attrs
+
+    if not given:
+        return config
+    if len(given) == 1 and "=" not in given[0]:
+        return attrs.evolve(config, models=(), model=attrs.evolve(config.model, path=given[0]))
+    entries = []
+    for one in given:
+        name, sep, path = one.rpartition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model wants NAME=PATH when several are given, got {one!r}")
+        entries.append(attrs.evolve(config.model, name=name, path=path))
+    return attrs.evolve(config, models=tuple(entries), model=entries[0])

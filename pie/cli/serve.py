@@ -33,7 +33,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def announce(server: Server) -> None:
         auth = "on" if server.auth_required else "off"
         print(
-            f"pie: serving {server.engine.info.model_name} on {server.url} (auth {auth})",
+            f"pie: serving {", ".join(m.name for m in server.engine.models)} on {server.url} (auth {auth})",
             file=sys.stderr,
             flush=True,
         )

@@ -1,5 +1,6 @@
-"""Engine configuration: a TOML file with sections [model], [driver], [kv], [scheduler],
-[event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar], [media].
+"""Engine configuration: a TOML file with sections [model] (or [[models]]), [driver], [kv],
+[scheduler], [event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar],
+[media].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -58,6 +59,33 @@ class EngineConfig:
     http: HttpConfig = HttpConfig()
     grammar: GrammarConfig = GrammarConfig()
     media: MediaConfig = MediaConfig()
+    models: tuple[ModelConfig, ...] = ()
+    """[[models]]: several models served side by side, the first the default (which `model`
+    then is too); empty: [model] alone."""
+
+    def __attrs_post_init__(self) -> None:
+        named = [m.name for m in self.models if m.name]
+        twice = sorted({n for n in named if named.count(n) > 1})
+        if twice:
+            raise ValueError(f"[[models]] names must differ: {twice} given more than once")
+        shares = sum(m.kv_share for m in self.models)
+        if shares > 1.0 + 1e-9:
+            raise ValueError(f"[[models]] kv_share values add up to {shares:g}, over 1")
+
+    @property
+    def model_entries(self) -> tuple[ModelConfig, ...]:
+        """The models to serve: the [[models]] entries, or [model] alone."""
+        return self.models or (self.model,)
+
+    def kv_shares(self) -> tuple[float, ...]:
+        """Each entry's part of the KV budget: its kv_share, or an equal part of the rest."""
+        entries = self.model_entries
+        if len(entries) == 1:
+            return (1.0,)
+        given = sum(m.kv_share for m in entries)
+        open_ = [m for m in entries if not m.kv_share]
+        rest = (1.0 - given) / len(open_) if open_ else 0.0
+        return tuple(m.kv_share or rest for m in entries)
 
 
 class ConfigError(ValueError):
@@ -96,6 +124,10 @@ def _describe(exc: BaseException, type_: Any) -> str:
 
 
 def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    if "model" in data and "models" in data:
+        raise ConfigError("give the models as [[models]] entries or as [model], not both")
+    if isinstance(data.get("models"), list) and data["models"]:
+        data = {**data, "model": data["models"][0]}
     try:
         return _converter.structure(data, EngineConfig)
     except cattrs.BaseValidationError as exc:

@@ -27,10 +27,29 @@ def _adapters(_: object, attribute: attrs.Attribute[Any], value: dict[str, str])
             raise ValueError(f"model.adapters: {name!r} needs the path of a PEFT adapter folder")
 
 
+def _model_name(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value and not _ADAPTER_NAME.fullmatch(value):
+        raise ValueError(
+            f"model name {value!r}: 1 to 64 letters, digits and ._:/-, starting with a letter "
+            "or digit"
+        )
+
+
+def _kv_share(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"kv_share must be in [0, 1], got {value}")
+
+
 @frozen(kw_only=True)
 class ModelConfig:
     path: str = DEFAULT_MODEL
     """The alias `smollm2-135m`, an HF model directory, or a .gguf file."""
+    name: str = field(default="", validator=_model_name)
+    """What programs and clients call it (`load(name)`, the OpenAI `model` field); empty: the
+    alias, the folder's name or the .gguf file's stem."""
+    kv_share: float = field(default=0.0, validator=_kv_share)
+    """With several [[models]], this model's part of the KV budget ([kv] memory_mb or
+    memory_fraction, or num_pages); 0: an equal part of what the entries that set one leave."""
     dtype: str = field(default="auto", validator=choice("auto", "float32", "bfloat16", "float16"))
     """auto: float32 on the CPU, bfloat16 on CUDA."""
     device: str = field(default="auto", validator=choice("auto", "cpu", "cuda"))

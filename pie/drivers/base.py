@@ -29,6 +29,10 @@ class DriverInfo:
     (Mistral): the kv actor then releases the pages that leave the window."""
     adapters: tuple[str, ...] = ()
     """The LoRA adapters loaded with the model, by name: a request may name one of them."""
+    inputs: tuple[str, ...] = ("text",)
+    """What the model reads: text, and the media its towers take (image, video, audio)."""
+    outputs: tuple[str, ...] = ("text",)
+    """What it produces: text, or speech too."""
 
 
 class DriverError(Exception):

@@ -8,6 +8,7 @@ import gc
 import sys
 from typing import Any
 
+import attrs
 import psutil
 import torch
 
@@ -21,12 +22,45 @@ from pie.drivers.threads import set_threads
 from pie.drivers.tokenizer import Tokenizer
 from pie.drivers.torch_driver import TorchDriver
 
-__all__ = ["build_driver", "build_torch_driver"]
+__all__ = ["build_driver", "build_drivers", "build_torch_driver", "model_configs"]
 
 
 def build_driver(config: EngineConfig) -> tuple[Driver, Tokenizer]:
     """The driver `choose_driver` picks for `config`, with the model loaded onto it."""
     return _build(config, choose_driver(config))
+
+
+def build_drivers(config: EngineConfig) -> list[tuple[Driver, Tokenizer]]:
+    """A driver for each model `config` serves ([[models]], or [model]), in order, each with
+    its part of the KV budget; ValueError when two of them end up with one name."""
+    built = [build_driver(one) for one in model_configs(config)]
+    names = [driver.info.model_name for driver, _ in built]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two models are named {twice}: give each [[models]] entry a name")
+    return built
+
+
+def model_configs(config: EngineConfig) -> list[EngineConfig]:
+    """One single-model config per served model: its entry as [model], and [kv]'s budget
+    (num_pages, memory_mb or memory_fraction) scaled by its share."""
+    if not config.models:
+        return [config]
+    kv = config.kv
+    return [
+        attrs.evolve(
+            config,
+            models=(),
+            model=entry,
+            kv=attrs.evolve(
+                kv,
+                num_pages=max(1, int(kv.num_pages * share)) if kv.num_pages else 0,
+                memory_mb=max(1, int(kv.memory_mb * share)) if kv.memory_mb else 0,
+                memory_fraction=kv.memory_fraction * share,
+            ),
+        )
+        for entry, share in zip(config.model_entries, config.kv_shares(), strict=True)
+    ]
 
 
 def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
@@ -58,12 +92,12 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         max_batch_requests=config.scheduler.max_batch_requests,
         device=choice.device,
         dtype=choice.dtype,
-        model_name=loaded.name,
+        model_name=config.model.name or loaded.name,
         adapters=adapters,
     )
     if choice.driver == "torch":
         how = f"{said}{threads} CPU thread{'s' if threads > 1 else ''}"
-        _announce(loaded.name, choice, how, num_pages, kv.page_size)
+        _announce(common["model_name"], choice, how, num_pages, kv.page_size)
         driver = TorchDriver(loaded.model, loaded.config, kv_dtype=_kv_dtype(config), **common)
         _return_freed_memory()
         return driver, loaded.tokenizer
@@ -71,7 +105,8 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
 
     kernels, version = load_flashinfer()
     assert kernels is not None, version
-    _announce(loaded.name, choice, f"CUDA driver, flashinfer {version}", num_pages, kv.page_size)
+    how = f"CUDA driver, flashinfer {version}"
+    _announce(common["model_name"], choice, how, num_pages, kv.page_size)
     graphs = config.driver.graph_batch_sizes if config.driver.cuda_graphs else None
     driver = CudaDriver(
         loaded.model, loaded.config, kernels=kernels, graph_batch_sizes=graphs, **common

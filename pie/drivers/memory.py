@@ -48,14 +48,22 @@ def model_bytes(model: Any) -> int:
     return sum(seen.values())
 
 
-def memory_use(driver: object) -> MemoryUse:
-    """The split for a driver that reports `memory_bytes()` (model, kv used, kv pool, device);
-    only the resident total for one that does not (the synthetic driver)."""
+def memory_use(*drivers: object) -> MemoryUse:
+    """The split for the drivers (one per served model) that report `memory_bytes()` (model,
+    kv used, kv pool, device), added up; only the resident total for those that do not (the
+    synthetic driver). `on_device` is the first driver's."""
     resident = psutil.Process().memory_info().rss
-    report = getattr(driver, "memory_bytes", None)
-    model, used, pool, device = report() if report is not None else (0, 0, 0, "cpu")
-    host = device.split(":")[0] == "cpu"
-    other = resident - (model + used if host else 0)
+    model = used = pool = host_bytes = 0
+    devices = []
+    for driver in drivers:
+        report = getattr(driver, "memory_bytes", None)
+        m, u, p, device = report() if report is not None else (0, 0, 0, "cpu")
+        model, used, pool = model + m, used + u, pool + p
+        if device.split(":")[0] == "cpu":
+            host_bytes += m + u
+        devices.append(device)
+    device = devices[0] if devices else "cpu"
+    other = resident - host_bytes
     return MemoryUse(
         resident=resident / _MIB,
         model=model / _MIB,

@@ -204,6 +204,8 @@ class TorchDriver:
             threads=torch.get_num_threads(),
             sliding_window=_common_window(self.attention_layers),
             adapters=() if adapters is None else adapters.names,
+            inputs=("text", *sorted(getattr(model, "modalities", ()))),
+            outputs=("text", "speech") if getattr(model, "speaks", False) else ("text",),
         )
         shape = _cache_shape(config, page_size, kv_dtype or dtype)
         self.cache = self._new_cache(shape, num_pages, device)

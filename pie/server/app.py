@@ -184,6 +184,7 @@ class Server:
             server=f"pie {__version__}",
             model=self.engine.info.model_name,
             auth_required=self.auth_required,
+            models=tuple(_card(m.name, m.info.inputs, m.info.outputs) for m in self.engine.models),
         )
 
     def new_nonce(self) -> str:
@@ -263,7 +264,8 @@ class Server:
         connections are closed by `check_credentials`)."""
         assert self._requester is not None
         log.info("user %r was removed: deleting their snapshots", user)
-        await self._requester.call("kv", kv_ev.DropSnapshots, user=user)
+        for model in self.engine.models:
+            await self._requester.call(model.kv_address, kv_ev.DropSnapshots, user=user)
 
     def check_credentials(self) -> None:
         """Closes the connections whose user was removed or whose token or key was replaced;
@@ -364,6 +366,16 @@ class Server:
             memory_kv_used_mb=stats.memory.kv_used,
             memory_kv_pool_mb=stats.memory.kv_pool,
             memory_other_mb=stats.memory.other,
+            models=tuple(
+                msg.ModelLoad(
+                    card=_card(m.name, m.inputs, m.outputs),
+                    pages_total=m.kv.pages_total,
+                    pages_free=m.kv.pages_free,
+                    contexts=m.kv.contexts,
+                    passes=m.inference.passes,
+                )
+                for m in stats.models
+            ),
         )
 
     def statistics(self) -> ServerStatistics:
@@ -373,6 +385,10 @@ class Server:
             inferlets_live=live,
             inferlets_retained=len(self.hub.tracked) - live,
         )
+
+
+def _card(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> msg.ModelCard:
+    return msg.ModelCard(name=name, inputs=inputs, outputs=outputs)
 
 
 def _found(corr: int, info: Any) -> msg.ProgramFound:

@@ -160,13 +160,26 @@ ClientMessage: TypeAlias = (
 
 
 @frozen(kw_only=True)
+class ModelCard:
+    """A served model: its name, what it reads (text, image, video, audio) and what it
+    produces (text, speech)."""
+
+    name: str
+    inputs: tuple[str, ...] = ("text",)
+    outputs: tuple[str, ...] = ("text",)
+
+
+@frozen(kw_only=True)
 class Welcome:
     """The first frame on every connection."""
 
     protocol: int
     server: str
     model: str
+    """The default model's name."""
     auth_required: bool
+    models: tuple[ModelCard, ...] = ()
+    """Every served model, the default first (empty from a server that does not say)."""
 
 
 @frozen(kw_only=True)
@@ -263,6 +276,20 @@ class EngineStatus:
     memory_kv_used_mb: float = 0.0
     memory_kv_pool_mb: float = 0.0
     memory_other_mb: float = 0.0
+    models: tuple[ModelLoad, ...] = ()
+    """Each served model's pages and passes, the default first (its figures are also the
+    flat ones above)."""
+
+
+@frozen(kw_only=True)
+class ModelLoad:
+    """One served model in a status reply."""
+
+    card: ModelCard
+    pages_total: int
+    pages_free: int
+    contexts: int
+    passes: int
 
 
 StreamedEvent: TypeAlias = (

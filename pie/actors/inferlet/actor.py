@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import trio
@@ -90,11 +90,13 @@ class InferletActor(Actor):
         subscription_bytes: int = 16 << 20,
         subscriptions_bytes: int = 64 << 20,
         guest_niceness: int = 10,
-        lanes: Lanes | None = None,
+        lanes: Sequence[Lanes] = (),
         max_matchers: int = 64,
     ) -> None:
+        """`lanes`: each model's fast path (those of `models`' views), opened to every
+        instance."""
         super().__init__("inferlets", router, capacity=65536)
-        self.lanes = lanes
+        self.lanes = tuple(lanes)
         self.core = core
         self.wasm = wasm
         self.models = models
@@ -155,14 +157,13 @@ class InferletActor(Actor):
             subscription_buffer=self._subscription_buffer,
             subscription_bytes=self._subscription_bytes[0],
             subscriptions_bytes=self._subscription_bytes[1],
-            lanes=self.lanes,
             max_matchers=self._max_matchers,
         )
         bridge.state = state
         if instance.request is not None:
             state.response = serving.Response()
-        if self.lanes is not None:
-            self.lanes.open_requester(instance.address)
+        for lanes in self.lanes:
+            lanes.open_requester(instance.address)
         self.router.register_handler(instance.address, PROGRAM_INBOX, state.deliver)
         finished = trio.Event()
         outcome: list[RunOutcome] = []
@@ -280,11 +281,11 @@ class InferletActor(Actor):
         self._kills.pop(instance.id, None)
         self.router.unregister(instance.address)
         src = instance.address
-        if self.lanes is not None:
-            self.lanes.close_requester(src)
-        self.router.send_nowait(
-            src, "kv", kv_ev.ReleaseRequester(corr=next(self._corr), requester=src, reply=False)
-        )
+        for lanes in self.lanes:
+            lanes.close_requester(src)
+        for model in self.models:
+            release = kv_ev.ReleaseRequester(corr=next(self._corr), requester=src, reply=False)
+            self.router.send_nowait(src, model.kv, release)
         self.router.send_nowait(src, "bus", bus_ev.LeaveBus(corr=next(self._corr), requester=src))
         if outcome is None:
             outcome = RunOutcome(

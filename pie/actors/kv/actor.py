@@ -26,8 +26,15 @@ class KvActor(CoreActor):
 
     core: KvCore
 
-    def __init__(self, core: KvCore, router: Router, store: SnapshotStore | None = None) -> None:
-        super().__init__(core, "kv", router)
+    def __init__(
+        self,
+        core: KvCore,
+        router: Router,
+        store: SnapshotStore | None = None,
+        *,
+        address: str = "kv",
+    ) -> None:
+        super().__init__(core, address, router)
         self.store = store
 
     async def handle(self, event: Any) -> None:

@@ -112,7 +112,7 @@ class KvCore(PassPlacement):
 
     def _created(self, event: Any, chain: Chain) -> list[Output]:
         context = self._next_context
-        self._next_context += 1
+        self._next_context += self._context_step
         self.contexts[context] = chain
         return [(event.requester, ev.ContextCreated(corr=event.corr, context=context))]
 

@@ -3,7 +3,7 @@ and leases; the lookups and page edits every part of the core uses, and what it 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pie.actors.kv.context import RELEASED, Chain, InFlight
@@ -32,7 +32,14 @@ class KvState:
         outputs: OutputLimits | None = None,
         sliding_window: int | None = None,
         adapters: Sequence[str] = (),
+        context_ids: tuple[int, int] = (1, 1),
+        model: str = "",
+        elsewhere: Callable[[tuple[str, str]], str | None] | None = None,
     ) -> None:
+        """With several models, each has its own kv core: `context_ids` (first, step) keeps their
+        context ids apart (model k of n: (k + 1, n)), `model` names this one, and `elsewhere`
+        says which other model holds a snapshot (user, name) this core lacks, so that opening it
+        here is refused in those words (None: one model)."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -51,7 +58,9 @@ class KvState:
         self.contexts: dict[int, Chain] = {}
         self.snapshots: dict[tuple[str, str], Chain] = {}
         self.in_flight: dict[int, InFlight] = {}
-        self._next_context = 1
+        self._next_context, self._context_step = context_ids
+        self.model = model
+        self._elsewhere = elsewhere
         self._shared_hits = 0
         self._tail_copies = 0
         self._released = 0
@@ -70,6 +79,13 @@ class KvState:
     def _snapshot(self, key: tuple[str, str]) -> Chain:
         snapshot = self.snapshots.get(key)
         if snapshot is None:
+            other = self._elsewhere(key) if self._elsewhere is not None else None
+            if other is not None:
+                raise RequestError(
+                    "wrong_model",
+                    f"snapshot {key[1]!r} holds the KV of model {other!r}, not {self.model!r}: "
+                    f"open it with model {other!r}",
+                )
             raise RequestError("no_such_snapshot", f"no snapshot named {key[1]!r}")
         return snapshot
 

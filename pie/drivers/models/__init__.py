@@ -12,12 +12,14 @@ from torch import nn
 from pie.drivers.models import (  # noqa: F401  (importing registers them)
     gemma2,
     gemma3,
+    idefics3,
     llama,
     mistral,
     mixtral,
     olmo2,
     phi3,
     qwen2,
+    qwen2_audio,
     qwen3,
     qwen3_moe,
 )

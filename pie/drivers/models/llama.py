@@ -120,7 +120,12 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        return self.decode(self.embed_tokens(input_ids), positions, attention)
+
+    def decode(
+        self, hidden: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """The decoder stack and the final norm over input embeddings [T, H]."""
         rope = self.kernels.rope(positions, self.rotary_emb)
         residual = None
         for layer in self.layers:

@@ -4,7 +4,7 @@ pass carries into the language model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +14,15 @@ MODALITIES = ("image", "video", "audio")
 """Media a model may read; a model's `modalities` is a subset."""
 
 
+def _token_tuple(tokens: Iterable[int]) -> tuple[int, ...]:
+    return tuple(tokens)
+
+
 @frozen(kw_only=True)
 class TextPiece:
     """Ordinary tokens inside a media span: delimiters, timestamps, separators."""
 
-    tokens: tuple[int, ...] = field(converter=tuple)
+    tokens: tuple[int, ...] = field(converter=_token_tuple)
 
 
 @frozen(kw_only=True, eq=False)
@@ -57,9 +61,7 @@ class PreparedMedia:
     @property
     def token_count(self) -> int:
         """Tokens in the whole span, delimiters included."""
-        return sum(
-            len(p.tokens) if isinstance(p, TextPiece) else p.count for p in self.span
-        )
+        return sum(len(p.tokens) if isinstance(p, TextPiece) else p.count for p in self.span)
 
     @property
     def soft_count(self) -> int:

@@ -9,15 +9,23 @@ from wasmtime.component import LinkerInstance
 from pie.events import kv as ev
 from pie.events.speculation import LaneBusy
 from pie.sandbox.host.model import model_view
+from pie.sandbox.host.records import ModelView
 from pie.sandbox.host.state import HostFailure, current, host_call
 from pie.sandbox.wasm import add_host_func, record
 
 INTERFACE = "pie:inferlet/context@0.1.0"
 
 
-def _kv(make: Any, **fields: Any) -> Any:
+def _ask(view: ModelView, make: Any, **fields: Any) -> Any:
+    """A command to the kv actor of `view`'s model, and its reply."""
     state = current()
-    return state.request("kv", make(corr=state.next_corr(), requester=state.address, **fields))
+    event = make(corr=state.next_corr(), requester=state.address, **fields)
+    return state.request(view.kv, event)
+
+
+def _kv(make: Any, *, context: int, **fields: Any) -> Any:
+    """A command about `context`, to the kv actor of its model."""
+    return _ask(current().model_of(context), make, context=context, **fields)
 
 
 def _changing(ctx: int, *, running_ok: bool = False) -> None:
@@ -25,34 +33,33 @@ def _changing(ctx: int, *, running_ok: bool = False) -> None:
     command that changes its pages."""
     state = current()
     state.runs.end(ctx)
-    if state.lanes is not None:
+    lanes = state.model_of(ctx).lanes
+    if lanes is not None:
         try:
-            state.lanes.close(ctx, state.address, running_ok=running_ok)
+            lanes.close(ctx, state.address, running_ok=running_ok)
         except LaneBusy as busy:
             raise HostFailure("busy", str(busy)) from None
 
 
 def create(model: int) -> int:
-    model_view(model)
-    context: int = _kv(ev.CreateContext, user=current().user).context
+    context: int = _ask(model_view(model), ev.CreateContext, user=current().user).context
     return context
 
 
 def open_(model: int, name: str) -> int:
-    model_view(model)
-    context: int = _kv(ev.OpenContext, name=name, user=current().user).context
+    view = model_view(model)
+    context: int = _ask(view, ev.OpenContext, name=name, user=current().user).context
     return context
 
 
 def take(model: int, name: str) -> int:
-    model_view(model)
-    context: int = _kv(ev.OpenContext, name=name, user=current().user, take=True).context
+    view = model_view(model)
+    context: int = _ask(view, ev.OpenContext, name=name, user=current().user, take=True).context
     return context
 
 
 def delete(model: int, name: str) -> None:
-    model_view(model)
-    _kv(ev.DeleteSnapshot, name=name, user=current().user)
+    _ask(model_view(model), ev.DeleteSnapshot, name=name, user=current().user)
 
 
 def fork(ctx: int) -> int:

@@ -96,7 +96,8 @@ def execute(pass_: Any) -> int:
     tokens = tuple(pass_.tokens)
     slots = _slots(pass_.slots)
     positions = None if positions is None else tuple(positions)
-    lanes = state.lanes
+    view = state.model_of(pass_.context)
+    lanes = view.lanes
     if lanes is not None:
         context = pass_.context
         try:
@@ -129,7 +130,7 @@ def execute(pass_: Any) -> int:
         window=window,
         adapter=adapter,
     )
-    return state.submit("kv", event, "forward")
+    return state.submit(view.kv, event, "forward")
 
 
 def _output(out: s.SlotOutput) -> Variant:

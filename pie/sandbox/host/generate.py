@@ -129,7 +129,8 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
     else through the kv actor (which may grant a lease for the next step). A windowed run's
     first step goes through the kv actor, which releases pages and grants a lease that ends
     with the tail page, so that every later step that starts a page comes back to it."""
-    lanes = state.lanes
+    view = state.model_of(spec.context)
+    lanes = view.lanes
     window_pending = spec.window is not None
 
     def step(
@@ -176,7 +177,7 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
             adapter=spec.adapter,
         )
         window_pending = False
-        state.submit_to("kv", event, deliver)
+        state.submit_to(view.kv, event, deliver)
 
     return step
 

@@ -42,6 +42,8 @@ def info(model: int) -> Any:
         page_size=view.page_size,
         max_batch_tokens=view.max_batch_tokens,
         adapters=list(view.adapters),
+        inputs=list(view.inputs),
+        outputs=list(view.outputs),
     )
 
 

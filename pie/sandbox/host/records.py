@@ -10,6 +10,7 @@ from typing import Any
 from attrs import define, field
 
 from pie.grammar import Grammars
+from pie.sandbox.host.ports import FastPath
 
 
 @define
@@ -25,6 +26,14 @@ class ModelView:
     """The model's grammar engine; None refuses constrained decoding."""
     adapters: tuple[str, ...] = ()
     """The LoRA adapters loaded with the model, by name."""
+    kv: str = "kv"
+    """The address of the kv actor that holds this model's contexts."""
+    lanes: FastPath | None = None
+    """This model's fast path for plain decodes, when the engine runs one."""
+    inputs: tuple[str, ...] = ("text",)
+    """What the model reads: text, and the media its towers take (image, video, audio)."""
+    outputs: tuple[str, ...] = ("text",)
+    """What it produces: text, or speech."""
     lock: threading.Lock = field(factory=threading.Lock)
     """HF fast tokenizers are not safe to call from several threads at once."""
 

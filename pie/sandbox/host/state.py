@@ -16,7 +16,7 @@ from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
 from pie.sandbox.host.failure import HostFailure
 from pie.sandbox.host.matchertable import MatcherTable
-from pie.sandbox.host.ports import Bridge, FastPath
+from pie.sandbox.host.ports import Bridge
 from pie.sandbox.host.records import Child, ModelView, Pending, Subscription
 from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
@@ -40,12 +40,9 @@ class InstanceState:
         subscription_buffer: int = 1024,
         subscription_bytes: int = 16 << 20,
         subscriptions_bytes: int = 64 << 20,
-        lanes: FastPath | None = None,
         max_matchers: int = 64,
     ) -> None:
         self.instance = instance
-        self.lanes = lanes
-        """The fast path for this instance's plain decodes, when the engine runs one."""
         self.address = address
         self.user = user
         self.bridge = bridge
@@ -79,6 +76,11 @@ class InstanceState:
         kill.add_waker(self._wake)
 
     # -- guest thread --------------------------------------------------------------------
+
+    def model_of(self, context: int) -> ModelView:
+        """The model a context belongs to: the engine numbers each model's contexts apart
+        (model k of n holds the ids k + 1, k + 1 + n, ...)."""
+        return self.models[(context - 1) % len(self.models)]
 
     def next_corr(self) -> int:
         return next(self._corr)

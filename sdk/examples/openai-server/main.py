@@ -14,7 +14,7 @@ import completions
 import logprobs
 import responses
 import tools
-from inferlet import Context, HostError, get_model, runtime, serving
+from inferlet import Context, HostError, Model, models, runtime, serving
 from inferlet.serving import HttpError, Request, Response
 from params import (
     CHAT_FIELDS,
@@ -54,20 +54,19 @@ def _refusal(error: HostError) -> ApiError | None:
 
 async def _route(request: Request) -> Any:
     route = (request.method, request.path.rstrip("/"))
-    base = get_model()
     if route == ("GET", "/models"):
-        return {"object": "list", "data": [_model_card(n) for n in (base.name, *base.adapters)]}
+        return {"object": "list", "data": [_model_card(m) for m in _every_model()]}
     if request.method == "GET" and request.path.startswith("/models/"):
-        return _model_card(_served(request.path.removeprefix("/models/"), base).name)
+        return _model_card(_served(request.path.removeprefix("/models/")))
     if route == ("POST", "/chat/completions"):
         body = _body(request)
-        return await chat_completion(_served(body.get("model"), base), body)
+        return await chat_completion(_served(body.get("model")), body)
     if route == ("POST", "/completions"):
         body = _body(request)
-        return await completions.create(_served(body.get("model"), base), body)
+        return await completions.create(_served(body.get("model")), body)
     if route == ("POST", "/responses"):
         body = _body(request)
-        return await responses.create(_served(body.get("model"), base), body)
+        return await responses.create(_served(body.get("model")), body)
     raise HttpError(404, f"no route {request.method} {request.path}")
 
 
@@ -221,17 +220,34 @@ def _finish_reason(generation: Any, calls: list[Any]) -> str:
     return "tool_calls" if calls else "stop"
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "pie"}
+def _model_card(model: Any) -> dict[str, Any]:
+    """An OpenAI model entry, with what the model reads and produces (and, for a LoRA adapter,
+    the model under it as `root`)."""
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pie",
+        "root": model.root,
+        "modalities": {"input": list(model.inputs), "output": list(model.outputs)},
+    }
 
 
-def _served(requested: Any, base: Any) -> Any:
-    """The model a request names: the base model, or the base model through one of its LoRA
-    adapters (whose contexts then run through it)."""
-    if requested == base.name:
-        return base
-    if isinstance(requested, str) and requested in base.adapters:
-        return base.with_adapter(requested)
+def _every_model() -> list[Any]:
+    """Every model the engine serves, each followed by its LoRA adapters, the default first."""
+    served = []
+    for name in models():
+        base = Model.load(name)
+        served += [base, *(base.with_adapter(a) for a in base.adapters)]
+    return served
+
+
+def _served(requested: Any) -> Any:
+    """The model a request names: one the engine serves, or one of them through one of its
+    LoRA adapters (whose contexts then run through it)."""
+    for model in _every_model():
+        if model.name == requested:
+            return model
     raise ModelNotFound(requested)
 
 

@@ -1,5 +1,6 @@
 """Completes one prompt: a user message (after an optional system message) in the model's chat
-template, then generation until a stop token or `max_tokens`, optionally streamed to the client."""
+template, then generation until a stop token or `max_tokens`, optionally streamed to the client.
+`model` names one of the engine's models (default: its first)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from inferlet import Context, Sampler, get_model, session
 
 async def main(input: dict[str, Any] | str) -> str:
     request = {"prompt": input} if isinstance(input, str) else input
-    model = get_model()
+    model = get_model(request.get("model") or "")
     with Context(model) as ctx:
         if request.get("system"):
             ctx.system(request["system"])

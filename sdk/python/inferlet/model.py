@@ -20,12 +20,18 @@ class Model:
         self.handle = handle
         info = call(_model.info, handle)
         self.name: str = info.name
+        self.root: str = info.name
+        """The model's own name, also when it is seen through an adapter (`with_adapter`)."""
         self.vocab_size: int = info.vocab_size
         self.page_size: int = info.page_size
         """Tokens per KV page."""
         self.max_batch_tokens: int = info.max_batch_tokens
         self.adapters: list[str] = list(info.adapters)
         """The LoRA adapters loaded with the model, by name (see `Context(adapter=...)`)."""
+        self.inputs: tuple[str, ...] = tuple(info.inputs)
+        """What the model reads: "text", and "image", "video", "audio" where it has the tower."""
+        self.outputs: tuple[str, ...] = tuple(info.outputs)
+        """What it produces: "text", and "speech" for a model that speaks."""
         self.adapter: str | None = None
         """The adapter contexts made on this model run through by default (`with_adapter`)."""
         self._stop_tokens: tuple[int, ...] | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +14,11 @@ from attrs import frozen
 from pie import __version__
 from pie.actors.bus import BusCore, BusLimits, BusStatistics
 from pie.actors.http import HttpActor, HttpStatistics
-from pie.actors.inference import InferenceActor, InferenceStatistics
+from pie.actors.inference import InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.inferlet.core import AdmissionLimits
 from pie.actors.inferlet.files import FileLayout, Quota
-from pie.actors.kv import KvCore, KvStatistics, OutputLimits, Quotas
-from pie.actors.kv.actor import KvActor
-from pie.actors.kv.durable import SnapshotStore
+from pie.actors.kv import KvStatistics
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
@@ -32,23 +30,30 @@ from pie.config import (
     default_cache_dir,
     with_overrides,
 )
-from pie.dataplane import (
-    BatchFormer,
-    BatchPolicy,
-    BatchStatistics,
-    Lanes,
-    SpeculationStatistics,
-)
+from pie.dataplane import BatchStatistics, SpeculationStatistics
 from pie.drivers.base import Driver, DriverInfo
 from pie.drivers.memory import MemoryUse, memory_use
+from pie.engine.stack import ModelStack, build_stack
 from pie.eventlog import EventLog
-from pie.events.batching import EngineStarted
 from pie.grammar import GrammarLimits, Grammars
 from pie.net.fetch import Fetcher, Limits
 from pie.net.policy import NetworkPolicy
 from pie.net.quota import FetchQuota
 from pie.sandbox import SandboxLimits, WasmRuntime
 from pie.sandbox.host import ModelView
+
+
+@frozen(kw_only=True)
+class ModelStatistics:
+    """One served model's figures (EngineStatistics' kv, scheduler and inference are the
+    default model's)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    kv: KvStatistics
+    scheduler: BatchStatistics
+    inference: InferenceStatistics
 
 
 @frozen(kw_only=True)
@@ -64,22 +69,24 @@ class EngineStatistics:
     mailboxes: tuple[MailboxStatistics, ...]
     logged_events: int
     memory: MemoryUse
+    models: tuple[ModelStatistics, ...] = ()
 
 
 class Engine:
-    """A running engine. Use `open_engine`; talk to it through `requester()`."""
+    """A running engine. Use `open_engine`; talk to it through `requester()`.
+
+    It serves one model per (driver, tokenizer) in `served`, the first the default: `driver`,
+    `info`, `kv`, `lanes` and `inference` are the default model's, `models` has them all."""
 
     def __init__(
         self,
         config: EngineConfig,
-        driver: Driver,
-        tokenizer: Any,
+        served: Sequence[tuple[Driver, Any]],
         nursery: trio.Nursery,
     ) -> None:
+        if not served:
+            raise ValueError("an engine serves at least one model")
         self.config = config
-        self.driver = driver
-        self.tokenizer = tokenizer
-        self.info: DriverInfo = driver.info
         log_config = config.event_log
         self.log = (
             EventLog(
@@ -95,39 +102,30 @@ class Engine:
         self._nursery = nursery
         self._corr = correlation_ids()
         self._names = itertools.count(1)
-        policy = BatchPolicy(
-            max_batch_tokens=min(config.scheduler.max_batch_tokens, self.info.max_batch_tokens),
-            max_batch_requests=min(
-                config.scheduler.max_batch_requests, self.info.max_batch_requests
-            ),
-            decode_tokens=config.scheduler.decode_tokens,
-        )
-        self.kv = KvActor(
-            KvCore(
-                num_pages=self.info.num_pages,
-                page_size=self.info.page_size,
-                vocab_size=self.info.vocab_size,
-                prefix_cache=config.kv.prefix_cache,
-                sliding_window=self.info.sliding_window,
-                adapters=self.info.adapters,
-                quotas=_quotas(config, self.info.num_pages),
-                outputs=OutputLimits(
-                    max_slots=config.scheduler.max_slots_per_pass,
-                    max_values=config.scheduler.max_probe_values,
-                ),
-            ),
-            self.router,
-            SnapshotStore(Path(config.kv.snapshots_dir)) if config.kv.snapshots_dir else None,
-        )
-        self.policy = policy
-        depth = config.scheduler.speculation_depth
-        self.lanes = Lanes(
-            page_size=self.info.page_size,
-            vocab_size=self.info.vocab_size,
-            depth=depth,
-            post=lambda events: self.inference.post(events),
-        )
-        self.inference = InferenceActor(driver, self.router, self.lanes, BatchFormer(policy))
+        names = [driver.info.model_name for driver, _ in served]
+        if len(set(names)) < len(names):
+            raise ValueError(f"the served models need distinct names, got {names}")
+        elsewhere = self._snapshot_holder if len(served) > 1 else None
+        self.models = [
+            build_stack(
+                config,
+                driver,
+                tokenizer,
+                self.router,
+                index=i,
+                count=len(served),
+                elsewhere=elsewhere,
+            )
+            for i, (driver, tokenizer) in enumerate(served)
+        ]
+        default = self.models[0]
+        self.driver = default.driver
+        self.tokenizer = default.tokenizer
+        self.info: DriverInfo = default.info
+        self.kv = default.kv
+        self.lanes = default.lanes
+        self.inference = default.inference
+        self.policy = default.policy
         self.bus = CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
         self.http = HttpActor(_fetcher(config.network), self.router, _fetch_quota(config.network))
         self.mcp = McpActor(config.mcp, self.router)
@@ -136,24 +134,44 @@ class Engine:
             Path(config.sandbox.cache_dir or default_cache_dir() / "components"),
             epoch_interval=config.sandbox.epoch_ms / 1000,
         )
-        self.inferlets = self._inferlet_actor(policy.max_batch_tokens)
+        self.inferlets = self._inferlet_actor()
 
-    def _inferlet_actor(self, max_batch_tokens: int) -> InferletActor:
-        sandbox = self.config.sandbox
-        model = ModelView(
-            name=self.info.model_name,
-            tokenizer=self.tokenizer,
-            vocab_size=self.info.vocab_size,
-            page_size=self.info.page_size,
-            max_batch_tokens=max_batch_tokens,
-            grammars=_grammars(self.config.grammar, self.tokenizer, self.info.vocab_size),
-            adapters=self.info.adapters,
+    def model(self, name: str | None = None) -> ModelStack:
+        """The served model called `name` (None or "default": the first); KeyError otherwise."""
+        if name in (None, "", "default"):
+            return self.models[0]
+        for stack in self.models:
+            if stack.name == name:
+                return stack
+        raise KeyError(f"no model {name!r}; the engine serves {[m.name for m in self.models]}")
+
+    def _snapshot_holder(self, key: tuple[str, str]) -> str | None:
+        """The model whose kv core holds the named snapshot `key` (user, name), if any."""
+        return next((m.name for m in self.models if key in m.kv.core.snapshots), None)
+
+    def _view(self, stack: ModelStack) -> ModelView:
+        fast = self.config.scheduler.fast_path
+        return ModelView(
+            name=stack.name,
+            tokenizer=stack.tokenizer,
+            vocab_size=stack.info.vocab_size,
+            page_size=stack.info.page_size,
+            max_batch_tokens=stack.policy.max_batch_tokens,
+            grammars=_grammars(self.config.grammar, stack.tokenizer, stack.info.vocab_size),
+            adapters=stack.info.adapters,
+            kv=stack.kv_address,
+            lanes=stack.lanes if fast else None,
+            inputs=stack.info.inputs,
+            outputs=stack.info.outputs,
         )
+
+    def _inferlet_actor(self) -> InferletActor:
+        sandbox = self.config.sandbox
         return InferletActor(
             InferletCore(self.programs, _admission_limits(sandbox)),
             self.router,
             wasm=self.wasm,
-            models=[model],
+            models=[self._view(stack) for stack in self.models],
             limits=SandboxLimits(
                 budget_seconds=sandbox.budget_seconds, memory_bytes=sandbox.memory_mb << 20
             ),
@@ -164,43 +182,32 @@ class Engine:
             subscription_bytes=sandbox.subscription_buffer_mb << 20,
             subscriptions_bytes=sandbox.subscription_buffer_inferlet_mb << 20,
             guest_niceness=sandbox.guest_niceness,
-            lanes=self.lanes if self.config.scheduler.fast_path else None,
+            lanes=[m.lanes for m in self.models] if self.config.scheduler.fast_path else [],
             max_matchers=self.config.grammar.max_matchers_per_inferlet,
         )
 
     async def _start(self) -> None:
         if self.log is not None:
-            started = EngineStarted(
-                model=self.info.model_name,
-                vocab_size=self.info.vocab_size,
-                page_size=self.info.page_size,
-                num_pages=self.info.num_pages,
-                max_batch_tokens=self.policy.max_batch_tokens,
-                max_batch_requests=self.policy.max_batch_requests,
-                prefix_cache=self.config.kv.prefix_cache,
-                sliding_window=self.info.sliding_window,
-                adapters=self.info.adapters,
-            )
-            self.log.append("engine", "engine", started)
+            for stack in self.models:
+                self.log.append("engine", "engine", stack.started(self.config))
         self.wasm.start()
-        actors = (
-            self.inference,
-            self.kv,
-            self.bus,
-            self.http,
-            self.mcp,
-        )
-        for actor in (*actors, self.inferlets):
+        stacks = [actor for m in self.models for actor in (m.inference, m.kv)]
+        for actor in (*stacks, self.bus, self.http, self.mcp, self.inferlets):
             await self._nursery.start(actor.run)
-        if self.kv.store is not None:
-            async with self.requester("kv:recovery") as requester:
-                await self.kv.recover(requester)
+        for stack in self.models:
+            if stack.kv.store is not None:
+                async with self.requester(f"recovery:{stack.name}", model=stack.name) as req:
+                    await stack.kv.recover(req)
 
     @contextlib.asynccontextmanager
-    async def requester(self, name: str | None = None) -> AsyncIterator[Requester]:
-        """A new address that owns the contexts it creates; they are destroyed when it closes."""
+    async def requester(
+        self, name: str | None = None, *, model: str | None = None
+    ) -> AsyncIterator[Requester]:
+        """A new address that owns the contexts it creates (on `model`, None: the default);
+        they are destroyed when it closes."""
         address = name or f"client:{next(self._names)}"
-        requester = Requester(self.router, address, self._corr)
+        kv = self.model(model).kv_address
+        requester = Requester(self.router, address, self._corr, kv=kv)
         await self._nursery.start(requester.run)
         try:
             yield requester
@@ -235,7 +242,8 @@ class Engine:
             inferlets=self.inferlets.statistics(),
             mailboxes=tuple(self.router.statistics()),
             logged_events=len(self.log) if self.log is not None else 0,
-            memory=memory_use(self.driver),
+            memory=memory_use(*(m.driver for m in self.models)),
+            models=tuple(_model_statistics(m) for m in self.models),
         )
 
     async def _drain(self, timeout: float) -> None:
@@ -243,7 +251,9 @@ class Engine:
         lost."""
         with trio.move_on_after(timeout, shield=True):
             self.inferlets.stop_all("the engine is stopping")
-            while self.inferlets.core.instances or self.kv.core.in_flight or self.kv.core.leases:
+            while self.inferlets.core.instances or any(
+                m.kv.core.in_flight or m.kv.core.leases for m in self.models
+            ):
                 await trio.sleep(0.01)
 
     def _close(self) -> None:
@@ -259,23 +269,29 @@ async def open_engine(
     *,
     driver: Driver | None = None,
     tokenizer: Any = None,
+    served: Sequence[tuple[Driver, Any]] = (),
     drain_seconds: float = 30.0,
 ) -> AsyncIterator[Engine]:
     """Starts every actor in one nursery and stops them gracefully on exit.
 
-    Without `driver`, the configured model is loaded (off the Trio thread) into a torch driver.
+    Without `driver`, the configured models ([model] or [[models]]) are loaded (off the Trio
+    thread), each into the driver `[driver] backend` picks; `served` gives several (driver,
+    tokenizer) pairs instead, the first the default model.
     """
     config = config or EngineConfig()
-    if driver is None:
+    if served:
+        served = list(served)
+    elif driver is None:
         from pie.drivers.threads import set_wait_policy
 
         set_wait_policy(config.driver)  # before the factory's imports load torch
-        from pie.drivers.factory import build_driver
+        from pie.drivers.factory import build_drivers
 
-        built, tokenizer = await trio.to_thread.run_sync(build_driver, config)
-        driver = built
+        served = await trio.to_thread.run_sync(build_drivers, config)
+    else:
+        served = [(driver, tokenizer)]
     async with trio.open_nursery() as nursery:
-        engine = Engine(config, driver, tokenizer, nursery)
+        engine = Engine(config, served, nursery)
         await engine._start()
         try:
             yield engine
@@ -294,13 +310,14 @@ def with_snapshots_dir(config: EngineConfig) -> EngineConfig:
     return with_overrides(config, kv={"snapshots_dir": str(components.parent / "snapshots")})
 
 
-def _quotas(config: EngineConfig, num_pages: int) -> Quotas:
-    kv = config.kv
-    return Quotas.shares(
-        num_pages,
-        inferlet=kv.inferlet_page_share,
-        user=kv.user_page_share,
-        snapshots=kv.snapshot_page_share,
+def _model_statistics(stack: ModelStack) -> ModelStatistics:
+    return ModelStatistics(
+        name=stack.name,
+        inputs=stack.info.inputs,
+        outputs=stack.info.outputs,
+        kv=stack.kv.statistics(),
+        scheduler=stack.inference.batch_statistics(),
+        inference=stack.inference.statistics(),
     )
 
 

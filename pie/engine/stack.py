@@ -1,0 +1,145 @@
+"""One served model's part of the engine: its driver, the kv actor over its pages, its fast path
+and the inference actor that runs its passes. An engine serving several models holds a stack
+for each; the first answers at the plain addresses `kv` and `inference`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from attrs import frozen
+
+from pie.actors.inference import InferenceActor
+from pie.actors.kv import KvCore, OutputLimits, Quotas
+from pie.actors.kv.actor import KvActor
+from pie.actors.kv.durable import SnapshotStore
+from pie.actors.runtime import Router
+from pie.config import EngineConfig
+from pie.dataplane import BatchFormer, BatchPolicy, Lanes
+from pie.drivers.base import Driver, DriverInfo
+from pie.events.batching import EngineStarted
+
+Elsewhere = Callable[[tuple[str, str]], str | None]
+
+
+@frozen(kw_only=True, eq=False)
+class ModelStack:
+    index: int
+    driver: Driver
+    tokenizer: Any
+    policy: BatchPolicy
+    kv: KvActor
+    lanes: Lanes
+    inference: InferenceActor
+
+    @property
+    def info(self) -> DriverInfo:
+        return self.driver.info
+
+    @property
+    def name(self) -> str:
+        return self.driver.info.model_name
+
+    @property
+    def kv_address(self) -> str:
+        return self.kv.address
+
+    def started(self, config: EngineConfig) -> EngineStarted:
+        """The log's record of what this model's kv core and batch former were built with."""
+        return EngineStarted(
+            model=self.name,
+            vocab_size=self.info.vocab_size,
+            page_size=self.info.page_size,
+            num_pages=self.info.num_pages,
+            max_batch_tokens=self.policy.max_batch_tokens,
+            max_batch_requests=self.policy.max_batch_requests,
+            prefix_cache=config.kv.prefix_cache,
+            sliding_window=self.info.sliding_window,
+            adapters=self.info.adapters,
+        )
+
+
+def addresses(index: int, name: str) -> tuple[str, str]:
+    """(kv, inference) actor addresses of the model at `index` named `name`."""
+    return ("kv", "inference") if index == 0 else (f"kv:{name}", f"inference:{name}")
+
+
+def build_stack(
+    config: EngineConfig,
+    driver: Driver,
+    tokenizer: Any,
+    router: Router,
+    *,
+    index: int,
+    count: int,
+    elsewhere: Elsewhere | None,
+) -> ModelStack:
+    """The actors of the model at `index` of `count` (not started)."""
+    info = driver.info
+    kv_address, inference_address = addresses(index, info.model_name)
+    scheduler = config.scheduler
+    policy = BatchPolicy(
+        max_batch_tokens=min(scheduler.max_batch_tokens, info.max_batch_tokens),
+        max_batch_requests=min(scheduler.max_batch_requests, info.max_batch_requests),
+        decode_tokens=scheduler.decode_tokens,
+    )
+    core = KvCore(
+        num_pages=info.num_pages,
+        page_size=info.page_size,
+        vocab_size=info.vocab_size,
+        data_plane=inference_address,
+        prefix_cache=config.kv.prefix_cache,
+        sliding_window=info.sliding_window,
+        adapters=info.adapters,
+        quotas=_quotas(config, info.num_pages),
+        outputs=OutputLimits(
+            max_slots=scheduler.max_slots_per_pass, max_values=scheduler.max_probe_values
+        ),
+        context_ids=(index + 1, count),
+        model=info.model_name,
+        elsewhere=elsewhere,
+    )
+    kv = KvActor(core, router, _store(config, index, info.model_name), address=kv_address)
+    inference: list[InferenceActor] = []
+    lanes = Lanes(
+        page_size=info.page_size,
+        vocab_size=info.vocab_size,
+        depth=scheduler.speculation_depth,
+        post=lambda events: inference[0].post(events),
+        address=kv_address,
+    )
+    inference.append(
+        InferenceActor(
+            driver, router, lanes, BatchFormer(policy), kv=kv_address, address=inference_address
+        )
+    )
+    return ModelStack(
+        index=index,
+        driver=driver,
+        tokenizer=tokenizer,
+        policy=policy,
+        kv=kv,
+        lanes=lanes,
+        inference=inference[0],
+    )
+
+
+def _store(config: EngineConfig, index: int, name: str) -> SnapshotStore | None:
+    """Where the model's named snapshots are kept: [kv] snapshots_dir for the first model, and
+    beside it `<snapshots_dir>.<name>` for each other one."""
+    if not config.kv.snapshots_dir:
+        return None
+    root = Path(config.kv.snapshots_dir)
+    return SnapshotStore(root if index == 0 else Path(f"{root}.{quote(name, safe='')}"))
+
+
+def _quotas(config: EngineConfig, num_pages: int) -> Quotas:
+    kv = config.kv
+    return Quotas.shares(
+        num_pages,
+        inferlet=kv.inferlet_page_share,
+        user=kv.user_page_share,
+        snapshots=kv.snapshot_page_share,
+    )
