@@ -237,7 +237,12 @@ def test_submit_uploads_streams_and_prints_the_result_last(
         assert client_cli.run_attach(cli_args("attach", instance, server=server)) == 1
         assert "terminated" in capsys.readouterr().err
         assert client_cli.run_status(cli_args("status", server=server)) == 0
-        rows = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines())
+        figures, models = capsys.readouterr().out.split("\n\n")
+        rows = dict(line.split(maxsplit=1) for line in figures.splitlines())
+        assert [line.split()[:3] for line in models.splitlines()] == [
+            ["model", "reads", "produces"],
+            [server.engine.info.model_name, "text", "text"],
+        ]
         assert int(rows["pages_free"]) > 0
         assert int(rows["driver_threads"]) == server.engine.info.threads
         parts = ("model", "kv_used", "other")

@@ -32,8 +32,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def announce(server: Server) -> None:
         auth = "on" if server.auth_required else "off"
+        names = ", ".join(m.name for m in server.engine.models)
         print(
-            f"pie: serving {", ".join(m.name for m in server.engine.models)} on {server.url} (auth {auth})",
+            f"pie: serving {names} on {server.url} (auth {auth})",
             file=sys.stderr,
             flush=True,
         )

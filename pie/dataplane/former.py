@@ -11,7 +11,7 @@ from typing import Protocol
 import attrs
 from attrs import define, frozen
 
-from pie.events.forward import ForwardRequest
+from pie.events.forward import ForwardRequest, split_media
 
 
 @frozen(kw_only=True)
@@ -272,4 +272,5 @@ def _split(work: _Work, budget: int) -> ForwardRequest:
         slot_positions=tuple(i for i, _ in picked),
         copies=req.copies if start == 0 else (),
         final=end == len(req.tokens),
+        media=split_media(req.media, start, end),
     )

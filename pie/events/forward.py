@@ -18,6 +18,29 @@ class PageCopy:
 
 
 @frozen(kw_only=True)
+class MediaRun:
+    """Tokens [index, index + count) of a pass are soft tokens: rows [offset, offset + count)
+    of the encoder output of the media whose content hash is `media` (the engine's media
+    store holds it for the context's model)."""
+
+    index: int
+    count: int
+    media: str
+    offset: int = 0
+
+
+def split_media(runs: tuple[MediaRun, ...], start: int, end: int) -> tuple[MediaRun, ...]:
+    """The parts of `runs` among tokens [start, end), indexed from `start`."""
+    parts = []
+    for run in runs:
+        lo, hi = max(run.index, start), min(run.index + run.count, end)
+        if lo < hi:
+            offset = run.offset + lo - run.index
+            parts.append(MediaRun(index=lo - start, count=hi - lo, media=run.media, offset=offset))
+    return tuple(parts)
+
+
+@frozen(kw_only=True)
 class ForwardRequest:
     """One context's input tokens for one pass, with everything the driver needs to place them.
 
@@ -53,6 +76,8 @@ class ForwardRequest:
     lease: Lease | None = None
     """Granted when the pass ends in a token sampler: the context's next plain decodes may run
     on the driver thread's fast path."""
+    media: tuple[MediaRun, ...] = ()
+    """Tokens whose input is a media encoder's output instead of their embedding."""
 
     @property
     def kv_len(self) -> int:

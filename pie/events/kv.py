@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attrs import field, frozen
 
+from pie.events.forward import MediaRun
 from pie.events.sampling import LogitBias, Penalty, Rle, SamplingSlot
 
 
@@ -151,6 +152,9 @@ class SubmitForward:
     adapter: str | None = None
     """The LoRA adapter (by name) the tokens run through; None: the base model. KV computed
     under one adapter is never reused for another or for the base model."""
+    media: tuple[MediaRun, ...] = ()
+    """Soft tokens among `tokens` (media encoder output in place of their embedding), in
+    order and apart; KV computed from media is reused only for the same media."""
 
 
 @frozen(kw_only=True)

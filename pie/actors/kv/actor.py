@@ -46,7 +46,15 @@ class KvActor(CoreActor):
     async def _keep(self, store: SnapshotStore, event: Any, outputs: Outputs) -> Outputs:
         match event:
             case ev.SaveContext(user=user, name=name):
-                record = SnapshotRecord.of(user, name, self.core.snapshots[(user, name)])
+                snapshot = self.core.snapshots[(user, name)]
+                if snapshot.media_runs:
+                    log.warning(
+                        "named snapshots: %r of %r holds media and is kept in memory only",
+                        name,
+                        user,
+                    )
+                    return outputs
+                record = SnapshotRecord.of(user, name, snapshot)
                 try:
                     await trio.to_thread.run_sync(store.write, record)
                 except OSError as exc:

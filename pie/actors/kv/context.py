@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import attrs
 from attrs import define, field
 
+from pie.events.forward import MediaRun, split_media
 from pie.events.sampling import Rle
 
 RELEASED = -1
@@ -48,6 +50,9 @@ class Chain:
     attention masks; the other tokens ran causally. Contiguous runs are one: each mask covers
     the kv slots up to its own token, so masks do not depend on how tokens were grouped into
     passes. A durable snapshot rebuilds each run under its masks."""
+    media_runs: list[MediaRun] = field(factory=list)
+    """The chain's soft tokens (indices count from its first token): which media's encoder
+    output each one's KV was computed from."""
 
     def copy(self, owner: str) -> Chain:
         """The same tokens over the same pages (the caller counts the new owner in the pool),
@@ -65,6 +70,7 @@ class Chain:
             adapter=self.adapter,
             adapter_runs=list(self.adapter_runs),
             mask_runs=list(self.mask_runs),
+            media_runs=list(self.media_runs),
         )
 
     def held(self) -> list[int]:
@@ -94,6 +100,7 @@ class Chain:
             self.adapter,
             tuple(self.adapter_runs),
             tuple(self.mask_runs),
+            tuple(self.media_runs),
         )
 
     def run_adapter(self, start: int, adapter: str | None) -> None:
@@ -113,12 +120,17 @@ class Chain:
             self.mask_runs.append((start, seen))
 
     def cut_runs(self, length: int) -> None:
-        """Forgets the adapter and mask runs of the tokens at or after `length` (they are gone),
-        keeping the front of a mask run that straddles it."""
+        """Forgets the adapter, mask and media runs of the tokens at or after `length` (they are
+        gone), keeping the front of a mask or media run that straddles it."""
         self.adapter_runs = [run for run in self.adapter_runs if run[0] < length]
         self.mask_runs = [
             (start, masks[: length - start]) for start, masks in self.mask_runs if start < length
         ]
+        self.media_runs = list(split_media(tuple(self.media_runs), 0, length))
+
+    def run_media(self, start: int, runs: tuple[MediaRun, ...]) -> None:
+        """Notes the soft tokens of a pass whose first token is the chain's token `start`."""
+        self.media_runs.extend(attrs.evolve(run, index=start + run.index) for run in runs)
 
 
 @define

@@ -62,6 +62,7 @@ class PassPlacement(KvState):
         chain.run_adapter(old_length, event.adapter)
         if event.attention_masks is not None:
             chain.run_masks(old_length, event.attention_masks)
+        chain.run_media(old_length, event.media)
         chain.tokens.extend(event.tokens)
         chain.positions.extend(positions)
         chain.in_flight = event.corr
@@ -99,6 +100,7 @@ class PassPlacement(KvState):
             copies=copies,
             adapter=event.adapter,
             lease=lease,
+            media=event.media,
         )
         request = skip_tokens(request, len(reused) * self.page_size)
         return Compactor(released, self.page_size).request(request)
@@ -216,10 +218,13 @@ class PassPlacement(KvState):
 def _pass_salt(chain: Chain, event: ev.SubmitForward) -> bytes:
     """The salt the pass's pages are hashed under: the chain's, changed where the pass runs
     through another adapter than the chain's last pass (so KV computed under one adapter is
-    never taken for another's or the base model's) and by custom attention masks."""
+    never taken for another's or the base model's), by custom attention masks, and by media
+    (whose placeholder tokens are the same for every picture)."""
     salt = chain.salt
     if event.adapter != chain.adapter:
         salt = salted(salt, f"adapter {event.adapter}")
     if event.attention_masks is not None:
         salt = salted(salt, repr(event.attention_masks))
+    for run in event.media:
+        salt = salted(salt, f"media {run.index} {run.count} {run.media} {run.offset}")
     return salt

@@ -9,7 +9,7 @@ from attrs import evolve
 
 from pie.actors.kv.context import Chain
 from pie.actors.kv.pages import PagePool, chain_hash
-from pie.events.forward import ForwardRequest
+from pie.events.forward import ForwardRequest, split_media
 from pie.events.kv import SubmitForward
 
 SCOPES = ("off", "user", "global")
@@ -105,4 +105,5 @@ def skip_tokens(request: ForwardRequest, count: int) -> ForwardRequest:
         kv_start=request.kv_start + count,
         attention_masks=None if masks is None else masks[count:],
         slots=tuple(evolve(s, index=s.index - count) for s in request.slots),
+        media=split_media(request.media, count, len(request.tokens)),
     )

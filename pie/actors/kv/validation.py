@@ -58,6 +58,7 @@ def validate_forward(
     if event.positions is not None and any(not 0 <= p < MAX_POSITION for p in event.positions):
         raise RequestError("invalid", f"positions must be in 0..{MAX_POSITION - 1}")
     _check_slots(event, count, vocab_size)
+    _check_media(event, count)
     _check_outputs(event, vocab_size, limits or OutputLimits())
     if event.logit_mask is not None:
         _check_runs("logit mask", event.logit_mask, (vocab_size,))
@@ -71,6 +72,19 @@ def validate_forward(
             )
         for i, runs in enumerate(event.attention_masks):
             _check_runs(f"attention mask of token {i}", runs, (length + i + 1, length + count))
+
+
+def _check_media(event: SubmitForward, count: int) -> None:
+    """Media runs lie among the pass's tokens, in order and apart."""
+    end = 0
+    for run in event.media:
+        if run.count < 1 or run.offset < 0 or run.index < end or run.index + run.count > count:
+            raise RequestError(
+                "invalid",
+                f"media run at token {run.index} ({run.count} tokens) must lie within the "
+                f"pass's {count} tokens, after the run before it",
+            )
+        end = run.index + run.count
 
 
 def _check_slots(event: SubmitForward, count: int, vocab_size: int) -> None:
