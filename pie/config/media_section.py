@@ -50,6 +50,12 @@ class MediaConfig:
     """The largest encoded audio, in MiB (about 6 minutes of CD-quality WAV)."""
     max_audio_seconds: float = field(default=600.0, validator=positive)
     """The longest audio, counted in decoded samples."""
+    max_items_per_inferlet: int = field(default=64, validator=at_least(1))
+    """Images, videos and clips one program may hold at once (each holds its decoded and
+    prepared form until it is freed or the program ends)."""
+    encoder_cache_mb: int = field(default=256, validator=at_least(1))
+    """Encoder outputs kept per model, by content hash, so that the same media in forks,
+    snapshots and later requests is not encoded again; the least recently used go first."""
 
     def __attrs_post_init__(self) -> None:
         if self.video_frames > self.max_video_frames:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from attrs import define, field
 
-from pie.events.forward import ForwardRequest
+from pie.events.forward import ForwardRequest, MediaRun
 from pie.events.sampling import LogitBias, Penalty, Rle, SlotOp
 
 
@@ -38,6 +38,8 @@ class ForwardBatch:
     """For each sampling slot, the flat index of the token whose logits it reads."""
     slot_ops: list[SlotOp] = field(factory=list)
     copies: list[tuple[int, int]] = field(factory=list)
+    media: list[tuple[int, MediaRun]] = field(factory=list)
+    """(flat index of the run's first token, run): tokens read from media encoder output."""
 
     @property
     def num_requests(self) -> int:
@@ -74,6 +76,7 @@ class ForwardBatch:
             self.slot_tokens.append(base + slot.index)
             self.slot_ops.append(slot.op)
         self.copies.extend((c.src, c.dst) for c in req.copies)
+        self.media.extend((base + run.index, run) for run in req.media)
 
     def add_decode(
         self,

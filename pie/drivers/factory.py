@@ -16,7 +16,9 @@ from pie.config import EngineConfig
 from pie.drivers.base import Driver
 from pie.drivers.loader import fill_weights, open_model
 from pie.drivers.lora import LoraAdapters, load_adapters
+from pie.drivers.media_store import MediaStore
 from pie.drivers.models import CausalLM, ModelConfig
+from pie.drivers.models.media import MediaTowers
 from pie.drivers.select import DriverChoice, choose_driver, load_flashinfer, pick_device, pick_dtype
 from pie.drivers.threads import set_threads
 from pie.drivers.tokenizer import Tokenizer
@@ -98,7 +100,13 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     if choice.driver == "torch":
         how = f"{said}{threads} CPU thread{'s' if threads > 1 else ''}"
         _announce(common["model_name"], choice, how, num_pages, kv.page_size)
-        driver = TorchDriver(loaded.model, loaded.config, kv_dtype=_kv_dtype(config), **common)
+        driver = TorchDriver(
+            loaded.model,
+            loaded.config,
+            kv_dtype=_kv_dtype(config),
+            media=_media_store(loaded, config, common["model_name"]),
+            **common,
+        )
         _return_freed_memory()
         return driver, loaded.tokenizer
     from pie.drivers.cuda_driver import CudaDriver
@@ -112,6 +120,19 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         loaded.model, loaded.config, kernels=kernels, graph_batch_sizes=graphs, **common
     )
     return driver, loaded.tokenizer
+
+
+def _media_store(loaded: Any, config: EngineConfig, name: str) -> MediaStore | None:
+    """The store of a model with media towers (None for a text model)."""
+    if not isinstance(loaded.model, MediaTowers) or not loaded.model.modalities:
+        return None
+    return MediaStore(
+        loaded.model,
+        name,
+        loaded.tokenizer.encode,
+        config.media,
+        cache_bytes=config.media.encoder_cache_mb << 20,
+    )
 
 
 def _weights(loaded: Any, weights: str, choice: DriverChoice) -> str:

@@ -20,8 +20,10 @@ from pie.drivers.decode_attention import reads_in_place
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
 from pie.drivers.kvcache_int8 import Int8PagedKvCache
 from pie.drivers.lora import LoraAdapters
+from pie.drivers.media_store import MediaRefused, MediaStore
 from pie.drivers.memory import model_bytes
 from pie.drivers.models.base import CausalLM, LayerAttention, ModelConfig
+from pie.drivers.models.media import MediaRows
 from pie.drivers.sampling import read_slots
 from pie.events.sampling import PROBES, SAMPLERS, LogitBias, LogProbs, Penalty, Rle, SlotOutput
 
@@ -184,9 +186,12 @@ class TorchDriver:
         seed: int | None = None,
         adapters: LoraAdapters | None = None,
         kv_dtype: torch.dtype | None = None,
+        media: MediaStore | None = None,
     ) -> None:
         self.model = model
         self.dtype = dtype
+        self.media = media
+        """The model's media and their encoder outputs, for a model with media towers."""
         if device == "cpu" and dtype == torch.float32:
             model.use_kernels(cpu_layer_kernels())
         self.adapters = adapters
@@ -287,15 +292,26 @@ class TorchDriver:
     def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
         """Runs the model over the batch; float32 logits [slots, vocab], None with no slot."""
         device = self.cache.device
+        media = {"media": self._media_rows(batch)} if batch.media else {}
         hidden = self.model(
             torch.tensor(batch.token_ids, dtype=torch.long, device=device),
             torch.tensor(self._rope_positions(batch), dtype=torch.long, device=device),
             prepared,
+            **media,
         )
         if not batch.slot_ops:
             return None
         slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
+
+    def _media_rows(self, batch: ForwardBatch) -> MediaRows:
+        """The pass's soft tokens, their media encoded first where the store lacks them."""
+        if self.media is None:
+            raise DriverError(f"model {self.info.model_name!r} reads no media")
+        try:
+            return self.media.rows(batch.media, self.cache.device, self.dtype)
+        except MediaRefused as exc:
+            raise DriverError(str(exc)) from None
 
     def _rope_positions(self, batch: ForwardBatch) -> Sequence[int]:
         return self.model.rope_positions(batch.positions, batch.qo_indptr)

@@ -151,7 +151,8 @@ class Engine:
 
     def _view(self, stack: ModelStack) -> ModelView:
         fast = self.config.scheduler.fast_path
-        return ModelView(
+        store = getattr(stack.driver, "media", None)
+        view = ModelView(
             name=stack.name,
             tokenizer=stack.tokenizer,
             vocab_size=stack.info.vocab_size,
@@ -163,7 +164,11 @@ class Engine:
             lanes=stack.lanes if fast else None,
             inputs=stack.info.inputs,
             outputs=stack.info.outputs,
+            media=store,
         )
+        if store is not None:
+            store.tokenize = _locked_encode(view)
+        return view
 
     def _inferlet_actor(self) -> InferletActor:
         sandbox = self.config.sandbox
@@ -184,6 +189,7 @@ class Engine:
             guest_niceness=sandbox.guest_niceness,
             lanes=[m.lanes for m in self.models] if self.config.scheduler.fast_path else [],
             max_matchers=self.config.grammar.max_matchers_per_inferlet,
+            max_media=self.config.media.max_items_per_inferlet,
         )
 
     async def _start(self) -> None:
@@ -308,6 +314,16 @@ def with_snapshots_dir(config: EngineConfig) -> EngineConfig:
         return config
     components = Path(config.sandbox.cache_dir or default_cache_dir() / "components")
     return with_overrides(config, kv={"snapshots_dir": str(components.parent / "snapshots")})
+
+
+def _locked_encode(view: ModelView) -> Callable[[str], list[int]]:
+    """The model's tokenizer under the lock every other user of it takes."""
+
+    def encode(text: str) -> list[int]:
+        with view.lock:
+            return list(view.tokenizer.encode(text))
+
+    return encode
 
 
 def _model_statistics(stack: ModelStack) -> ModelStatistics:

@@ -32,6 +32,7 @@ from pie.sandbox import (
     WasmRuntime,
 )
 from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
+from pie.sandbox.host.media import release_all as release_media
 from pie.sandbox.wasm import record
 
 PROGRAM_INBOX = (
@@ -92,6 +93,7 @@ class InferletActor(Actor):
         guest_niceness: int = 10,
         lanes: Sequence[Lanes] = (),
         max_matchers: int = 64,
+        max_media: int = 64,
     ) -> None:
         """`lanes`: each model's fast path (those of `models`' views), opened to every
         instance."""
@@ -108,6 +110,7 @@ class InferletActor(Actor):
         self._subscription_bytes = (subscription_bytes, subscriptions_bytes)
         self._guest_niceness = guest_niceness
         self._max_matchers = max_matchers
+        self._max_media = max_media
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
         self._kills: dict[str, KillSwitch] = {}
@@ -158,6 +161,7 @@ class InferletActor(Actor):
             subscription_bytes=self._subscription_bytes[0],
             subscriptions_bytes=self._subscription_bytes[1],
             max_matchers=self._max_matchers,
+            max_media=self._max_media,
         )
         bridge.state = state
         if instance.request is not None:
@@ -238,6 +242,7 @@ class InferletActor(Actor):
             bind(None)
             state.runs.cancel_all()
             state.grammar.close_all()
+            release_media(state)
         try:
             done(outcome)
         except trio.RunFinishedError:

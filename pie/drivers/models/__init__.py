@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pie.drivers.models import (  # noqa: F401  (importing registers them)
+    csm,
     gemma2,
     gemma3,
     idefics3,
@@ -20,6 +21,7 @@ from pie.drivers.models import (  # noqa: F401  (importing registers them)
     phi3,
     qwen2,
     qwen2_audio,
+    qwen2_vl,
     qwen3,
     qwen3_moe,
 )

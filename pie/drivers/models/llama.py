@@ -126,7 +126,11 @@ class LlamaModel(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """The decoder stack and the final norm over input embeddings [T, H]."""
-        rope = self.kernels.rope(positions, self.rotary_emb)
+        return self.run_layers(hidden, self.kernels.rope(positions, self.rotary_emb), attention)
+
+    def run_layers(self, hidden: torch.Tensor, rope: Any, attention: AttentionFn) -> torch.Tensor:
+        """The decoder stack and the final norm over input embeddings, with the rotary tables
+        built already (a model with several rope dimensions builds its own)."""
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, attention)

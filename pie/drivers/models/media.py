@@ -139,6 +139,11 @@ class MediaTowers:
     processor: Mapping[str, Any] = {}
     """The checkpoint's preprocessor_config.json (empty when it has none); set by the loader."""
 
+    @property
+    def audio_rate(self) -> int:
+        """Samples a second audio is decoded to for this model."""
+        return 16000
+
     def prepare(
         self, kind: str, decoded: Any, tokenize: Callable[[str], Sequence[int]]
     ) -> PreparedMedia:

@@ -240,6 +240,10 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM, MediaTowers):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attention, media)
 
+    @property
+    def audio_rate(self) -> int:
+        return int(self._features().sampling_rate)
+
     def prepare(
         self, kind: str, decoded: Any, tokenize: Callable[[str], Sequence[int]]
     ) -> PreparedMedia:

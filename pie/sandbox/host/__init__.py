@@ -16,6 +16,7 @@ from pie.sandbox.host import (
     grammar,
     http,
     mcp,
+    media,
     messaging,
     model,
     runtime,
@@ -35,6 +36,7 @@ TYPES_INTERFACE = "pie:inferlet/types@0.1.0"
 INTERFACES = (
     model,
     context,
+    media,
     forward,
     generate,
     grammar,

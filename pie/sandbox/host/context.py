@@ -28,7 +28,7 @@ def _kv(make: Any, *, context: int, **fields: Any) -> Any:
     return _ask(current().model_of(context), make, context=context, **fields)
 
 
-def _changing(ctx: int, *, running_ok: bool = False) -> None:
+def changing(ctx: int, *, running_ok: bool = False) -> None:
     """Ends the context's generation run and takes the context off the fast path before a
     command that changes its pages."""
     state = current()
@@ -63,23 +63,23 @@ def delete(model: int, name: str) -> None:
 
 
 def fork(ctx: int) -> int:
-    _changing(ctx)
+    changing(ctx)
     context: int = _kv(ev.ForkContext, context=ctx).context
     return context
 
 
 def save(ctx: int, name: str) -> None:
-    _changing(ctx)
+    changing(ctx)
     _kv(ev.SaveContext, context=ctx, name=name, user=current().user)
 
 
 def destroy(ctx: int) -> None:
-    _changing(ctx, running_ok=True)
+    changing(ctx, running_ok=True)
     _kv(ev.DestroyContext, context=ctx)
 
 
 def truncate(ctx: int, count: int) -> None:
-    _changing(ctx)
+    changing(ctx)
     _kv(ev.TruncateContext, context=ctx, count=count)
 
 
@@ -88,12 +88,12 @@ def reserve(ctx: int, count: int) -> None:
 
 
 def mask_pages(ctx: int, pages: list[int], masked: bool) -> None:
-    _changing(ctx)
+    changing(ctx)
     _kv(ev.MaskPages, context=ctx, pages=tuple(pages), masked=masked)
 
 
 def release_pages(ctx: int, pages: list[int]) -> None:
-    _changing(ctx)
+    changing(ctx)
     _kv(ev.ReleasePages, context=ctx, pages=tuple(pages))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from pie.events.forward import MediaRun
 from pie.events.sampling import SamplingSlot
 
 
@@ -37,3 +38,16 @@ class FastPath(Protocol):
 
     def close(self, context: int, requester: str, *, running_ok: bool = False) -> None:
         """Takes the context off the fast path before a command that changes it."""
+
+
+class MediaPort(Protocol):
+    """A model's media store, as the host calls use it (the engine injects the driver's)."""
+
+    def add(self, kind: str, data: bytes, max_frames: int | None = None) -> Any:
+        """Decodes and prepares `data`; an item with `key` and `prepared` (kind, grid,
+        token_count, soft_count). Raises an error with a `kind` word for media it refuses."""
+
+    def release(self, key: str) -> None: ...
+
+    def place(self, key: str, start: int) -> tuple[list[int], list[int], tuple[MediaRun, ...]]:
+        """The item's tokens laid out from position `start`: (tokens, positions, media runs)."""

@@ -10,7 +10,7 @@ from typing import Any
 from attrs import define, field
 
 from pie.grammar import Grammars
-from pie.sandbox.host.ports import FastPath
+from pie.sandbox.host.ports import FastPath, MediaPort
 
 
 @define
@@ -34,6 +34,8 @@ class ModelView:
     """What the model reads: text, and the media its towers take (image, video, audio)."""
     outputs: tuple[str, ...] = ("text",)
     """What it produces: text, or speech."""
+    media: MediaPort | None = None
+    """The model's media store, for a model with media towers."""
     lock: threading.Lock = field(factory=threading.Lock)
     """HF fast tokenizers are not safe to call from several threads at once."""
 

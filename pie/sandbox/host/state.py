@@ -41,8 +41,12 @@ class InstanceState:
         subscription_bytes: int = 16 << 20,
         subscriptions_bytes: int = 64 << 20,
         max_matchers: int = 64,
+        max_media: int = 64,
     ) -> None:
         self.instance = instance
+        self.media: dict[int, tuple[int, Any]] = {}
+        """Media handles: (model handle, the store's item)."""
+        self.max_media = max_media
         self.address = address
         self.user = user
         self.bridge = bridge

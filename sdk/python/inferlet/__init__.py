@@ -9,6 +9,7 @@ from inferlet.errors import HostError
 from inferlet.forward import AttentionWindow, Forward, runs
 from inferlet.generation import Generation
 from inferlet.grammar import Grammar, Matcher
+from inferlet.media import Audio, Image, Video
 from inferlet.model import Model, get_model, models
 from inferlet.sampling import Distribution, Probe, Sampler
 from inferlet.search import (
@@ -25,6 +26,7 @@ from inferlet.watermark import Watermark
 
 __all__ = [
     "AttentionWindow",
+    "Audio",
     "Beam",
     "Candidate",
     "Context",
@@ -33,6 +35,7 @@ __all__ = [
     "Generation",
     "Grammar",
     "HostError",
+    "Image",
     "Jacobi",
     "Matcher",
     "Model",
@@ -41,6 +44,7 @@ __all__ = [
     "Sampler",
     "Speculation",
     "TokenScore",
+    "Video",
     "Watermark",
     "beam_search",
     "best_of_n",

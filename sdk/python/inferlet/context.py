@@ -122,6 +122,28 @@ class Context:
         if tokens:
             await self._run_own(_pass(self.handle, tokens, [], self.adapter))
 
+    async def append_image(self, image: Any) -> Context:
+        """Writes the queued input, then the picture (an `inferlet.Image`) in one pass: the
+        model's delimiters around its encoder output."""
+        return await self._append(image)
+
+    async def append_video(self, video: Any) -> Context:
+        return await self._append(video)
+
+    async def append_audio(self, clip: Any) -> Context:
+        return await self._append(clip)
+
+    async def _append(self, item: Any) -> Context:
+        from inferlet import media
+
+        await self.flush()
+        self.acquire()
+        try:
+            await media.append(self.handle, item)
+        finally:
+            self.release(None)
+        return self
+
     # Passes ---------------------------------------------------------------------------------
 
     def forward(self) -> Forward:
