@@ -317,7 +317,13 @@ class FakeHost:
                 "models": lambda: ["toy"],
                 "load": lambda name: 1,
                 "info": lambda m: record(
-                    name="toy", vocab_size=VOCAB, page_size=PAGE, max_batch_tokens=1024, adapters=[]
+                    name="toy",
+                    vocab_size=VOCAB,
+                    page_size=PAGE,
+                    max_batch_tokens=1024,
+                    adapters=[],
+                    inputs=["text"],
+                    outputs=["text"],
                 ),
                 "encode": lambda m, text: h.encode(text),
                 "decode": lambda m, ids: h.decode(ids),
@@ -383,6 +389,17 @@ class FakeHost:
                 "detach": lambda child: None,
             },
             "http": {"fetch": h.fetch, "fetched": h.take},
+            "media": {
+                name: _no_media
+                for name in (
+                    "image-from-bytes",
+                    "video-from-bytes",
+                    "audio-from-bytes",
+                    "info",
+                    "free",
+                    "append",
+                )
+            },
             "mcp": {
                 "servers": lambda: ["toys"],
                 "list-tools": h.list_tools,
@@ -391,6 +408,10 @@ class FakeHost:
                 "called": h.take,
             },
         }
+
+
+def _no_media(*args: Any) -> Any:
+    raise Refused("unsupported-media", "the toy model reads text only")
 
 
 GRAMMAR_CALLS = (
@@ -410,6 +431,7 @@ TAGGED = {
     ("http", "fetched"),
     ("mcp", "called"),
     ("generate", "output"),
+    ("media", "info"),
 }
 """Results whose ok value is a record: wasmtime-py then wants Variant('ok'/'err', ...)."""
 
