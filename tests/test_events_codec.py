@@ -16,7 +16,7 @@ from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
 from pie.events import mcp as mcp_ev
 from pie.events import speculation as spec_ev
-from pie.events.forward import ForwardRequest, PageCopy
+from pie.events.forward import ForwardRequest, MediaRun, PageCopy
 from pie.events.sampling import (
     PROBES,
     SAMPLERS,
@@ -249,6 +249,7 @@ SAMPLES = (
     inf_ev.InferletTerminated(instance="i1", reason="terminated by a", seconds=1.5),
     inf_ev.InferletFinished(instance="i1", status="returned", result="{}", seconds=0.25),
     PageCopy(src=1, dst=2),
+    MediaRun(index=2, count=3, media="9f2c", offset=1),
     kv_ev.AttentionWindow(sink_pages=0, window_pages=2),
     REQUEST,
     *OPS,
