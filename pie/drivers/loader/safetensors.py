@@ -92,7 +92,7 @@ def _progress(
 
 def _is_ignored(name: str, model: CausalLM) -> bool:
     # Older checkpoints store rope inv_freq; ours are recomputed. A tied lm_head may be saved too.
-    if name.endswith("rotary_emb.inv_freq"):
+    if name.endswith("rotary_emb.inv_freq") or model.ignores_weight(name):
         return True
     return name == "lm_head.weight" and model.config.tie_word_embeddings
 

@@ -113,6 +113,11 @@ class CausalLM(nn.Module):
         (per-expert weights): (our parameter, shard id or None), or None to use the mapping."""
         return None
 
+    def ignores_weight(self, name: str) -> bool:
+        """Checkpoint weights this implementation never uses (a codec's encoder half): the
+        loader neither reads them nor reports them as unexpected."""
+        return False
+
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         """Each layer's attention options, in layer order; the driver honours every one."""
         return (PLAIN_ATTENTION,) * self.config.num_layers

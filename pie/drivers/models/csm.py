@@ -176,20 +176,6 @@ class DepthDecoder(nn.Module):
         return torch.stack(codes)
 
 
-class UnreadWeights(nn.Module):
-    """Where the loader puts checkpoint weights this model never uses (the codec's encoder
-    half): a sharded module with no shards, so that each is accepted and dropped."""
-
-    shards: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.placeholder = nn.Parameter(torch.zeros(0), requires_grad=False)
-
-    def load_shard(self, param: nn.Parameter, weight: torch.Tensor, shard_id: str | int) -> None:
-        return None
-
-
 @register("csm")
 class CsmForConditionalGeneration(CausalLM):
     """The backbone is this CausalLM (text tokens in, first-codebook logits out); the depth
@@ -212,7 +198,6 @@ class CsmForConditionalGeneration(CausalLM):
         if self.tied:
             self.depth_decoder.model.embed_tokens.weight = self.frame_table.weight
         self.codec_model = MimiDecoder(MimiConfig.from_hf(raw["codec_config"]))
-        self.unread_weights = UnreadWeights()
 
     @classmethod
     def flat_hf_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
@@ -239,9 +224,11 @@ class CsmForConditionalGeneration(CausalLM):
     def frame_table(self) -> nn.Embedding:
         return self.backbone_model.embed_tokens.embed_audio_tokens
 
+    def ignores_weight(self, name: str) -> bool:
+        # The codec's encoder half and quantizer input projections: decoding never reads them.
+        return name.startswith("codec_model.") and not MimiDecoder.reads_weight(name[12:])
+
     def route_weight(self, name: str) -> tuple[str, str | int | None] | None:
-        if name.startswith("codec_model.") and not MimiDecoder.reads_weight(name[12:]):
-            return "unread_weights.placeholder", name
         if self.tied and name == "depth_decoder.model.embed_tokens.weight":
             # One table under two names; checkpoints store it under either.
             return "backbone_model.embed_tokens.embed_audio_tokens.weight", None
@@ -258,7 +245,7 @@ class CsmForConditionalGeneration(CausalLM):
         `embed_frame`) replace those tokens' input embeddings."""
         hidden = self.embed_text_tokens(input_ids)
         if media is not None:
-            hidden = hidden.index_copy(0, media.rows, media.embeds.to(hidden.dtype))
+            hidden = media.into(hidden)
         return self.backbone_model(hidden, positions, attention)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -229,7 +229,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM, MediaTowers):
         text = self.towers.text_model
         hidden = text.embed_tokens(input_ids)
         if media is not None:
-            hidden = hidden.index_copy(0, media.rows, media.embeds.to(hidden.dtype))
+            hidden = media.into(hidden)
         return text.decode(hidden, positions, attention)
 
     def prepare(

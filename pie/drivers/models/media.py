@@ -128,6 +128,10 @@ class MediaRows:
     rope_index: torch.Tensor
     """[M, 3] int64."""
 
+    def into(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [T, hidden] with the soft-token rows replaced."""
+        return hidden.index_copy(0, self.rows, self.embeds.to(hidden.dtype))
+
 
 class MediaTowers:
     """Mixed into a CausalLM whose checkpoint carries encoders. `forward` then takes

@@ -186,7 +186,7 @@ class Qwen2AudioTextModel(LlamaModel):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if media is not None:
-            hidden = hidden.index_copy(0, media.rows, media.embeds)
+            hidden = media.into(hidden)
         return self.decode(hidden, positions, attention)
 
 

@@ -72,7 +72,7 @@ class MRopeTextModel(LlamaModel):
         if media is None:
             rope = self.kernels.rope(positions, self.rotary_emb)
         else:
-            hidden.index_copy_(0, media.rows, media.embeds.to(hidden.dtype))
+            hidden = media.into(hidden)
             rows = torch.arange(positions.numel(), device=positions.device)
             rope = self.kernels.rope(rows, self.pass_rotary(positions, media))
         return self.run_layers(hidden, rope, attention)
