@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from attrs import frozen
@@ -66,6 +66,10 @@ class MediaStore:
         self.encodes = 0
         """Encoder calls made (each covers every item a pass lacked)."""
         self.encoded_items = 0
+
+    @property
+    def chat_placeholders(self) -> Mapping[str, str]:
+        return self.model.chat_placeholders
 
     def add(self, kind: str, data: bytes, max_frames: int | None = None) -> MediaItem:
         """Decodes and prepares `data` as `kind` for this model, held until `release`."""

@@ -134,11 +134,18 @@ def _token_text(value: Any) -> str | None:
 
 
 def _chat_template(folder: Path, settings: dict[str, Any]) -> str | None:
-    """chat_template.jinja when present (newer files), else tokenizer_config.json's entry,
+    """chat_template.jinja when present (newer files), else a processor's chat_template.json,
+    else tokenizer_config.json's entry,
     which may be a list of named templates of which "default" is the chat one."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
+    # A multimodal checkpoint's processor keeps its template (the one that places media) here.
+    processor = folder / "chat_template.json"
+    if processor.is_file():
+        saved = json.loads(processor.read_text()).get("chat_template")
+        if isinstance(saved, str):
+            return saved
     template = settings.get("chat_template")
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template}

@@ -194,6 +194,7 @@ class Idefics3Body(nn.Module):
 @register("idefics3", "smolvlm")
 class Idefics3ForConditionalGeneration(LlamaForCausalLM, MediaTowers):
     modalities = frozenset({"image"})
+    chat_placeholders = {"image": "<image>"}
 
     @classmethod
     def flat_hf_config(cls, raw: dict[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,9 @@ class MediaTowers:
     """The media this model reads (a subset of MODALITIES), from its config."""
     processor: Mapping[str, Any] = {}
     """The checkpoint's preprocessor_config.json (empty when it has none); set by the loader."""
+    chat_placeholders: Mapping[str, str] = {}
+    """Per kind of media, the text the model's chat template renders for a medium of that kind
+    (a content part `{"type": kind}`); the medium's span takes its place, delimiters included."""
 
     @property
     def audio_rate(self) -> int:

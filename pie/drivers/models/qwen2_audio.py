@@ -197,6 +197,7 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM, MediaTowers):
     processor does, so no audio is dropped without the caller knowing."""
 
     modalities = frozenset({"audio"})
+    chat_placeholders = {"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
     hf_defaults = QWEN2_TEXT_DEFAULTS
 
     def __init__(self, config: ModelConfig) -> None:

@@ -110,6 +110,10 @@ def flatten_text_config(raw: dict[str, Any]) -> dict[str, Any]:
 @register("qwen2_vl")
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM, MediaTowers):
     modalities = frozenset({"image", "video"})
+    chat_placeholders = {
+        "image": "<|vision_start|><|image_pad|><|vision_end|>",
+        "video": "<|vision_start|><|video_pad|><|vision_end|>",
+    }
     rope_types = ("mrope",)
     hf_defaults = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6}
     vision_config_from: Callable[[dict[str, Any]], VisionConfig] = VisionConfig.qwen2_vl

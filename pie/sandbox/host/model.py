@@ -7,6 +7,7 @@ from typing import Any
 
 from wasmtime.component import LinkerInstance
 
+from pie.sandbox.host import chat_media
 from pie.sandbox.host.records import ModelView
 from pie.sandbox.host.state import HostFailure, current, host_call
 from pie.sandbox.wasm import add_host_func, record
@@ -78,14 +79,18 @@ def stop_tokens(model: int) -> list[int]:
 
 
 def format_chat(model: int, messages: list[Any], cue: bool) -> str:
+    """The template's render; media marked in the messages come back marked where the
+    template places them (pie.sandbox.host.chat_media)."""
     view = model_view(model)
     chat = [{"role": m.role, "content": m.content} for m in messages]
+    media = chat_media.has_media(chat)
+    typed = chat_media.typed_messages(view, chat) if media else chat
     try:
         with view.lock:
-            text: str = view.tokenizer.apply_chat_template(chat, add_generation_prompt=cue)
+            text: str = view.tokenizer.apply_chat_template(typed, add_generation_prompt=cue)
     except Exception as exc:  # template errors (jinja, role checks) come back to the guest
         raise HostFailure("invalid", f"the chat template refused these messages: {exc}") from exc
-    return text
+    return chat_media.restore_sentinels(view, text, chat) if media else text
 
 
 def _check_tokens(view: ModelView, tokens: list[int]) -> None:

@@ -4,7 +4,7 @@ sandbox imports neither the actors nor the data plane."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from pie.events.forward import MediaRun
@@ -48,6 +48,10 @@ class MediaPort(Protocol):
         token_count, soft_count). Raises an error with a `kind` word for media it refuses."""
 
     def release(self, key: str) -> None: ...
+
+    @property
+    def chat_placeholders(self) -> Mapping[str, str]:
+        """Per kind, what the model's chat template renders for a medium of that kind."""
 
     def place(self, key: str, start: int) -> tuple[list[int], list[int], tuple[MediaRun, ...]]:
         """The item's tokens laid out from position `start`: (tokens, positions, media runs)."""

@@ -3,9 +3,49 @@ exactly the text the model's template adds for it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 
+from inferlet.media import Media
 from inferlet.model import Message, Model
+
+Content = str | Sequence[str | Media]
+"""A chat message's content: text, or text and media in the order the message holds them."""
+
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_MARK = re.compile(f"{_OPEN}(image|video|audio){_CLOSE}")
+
+
+def chat_content(content: Content) -> tuple[str, list[Media]]:
+    """The message text the host renders, each medium marked by a sentinel the host turns into
+    a typed content part, and the media in order."""
+    if isinstance(content, str):
+        return content, []
+    text, media = [], []
+    for part in content:
+        if isinstance(part, Media):
+            text.append(f"{_OPEN}{part.kind}{_CLOSE}")
+            media.append(part)
+        elif isinstance(part, str):
+            text.append(part)
+        else:
+            raise TypeError(f"a message part is text or media, not {type(part).__name__}")
+    return "".join(text), media
+
+
+def split_rendered(rendered: str, media: list[Media]) -> list[str | Media]:
+    """The rendered text a message adds, cut where the template placed its media."""
+    kinds = _MARK.findall(rendered)
+    if kinds != [m.kind for m in media]:
+        raise ValueError(
+            f"the chat template placed {kinds} where the message holds {[m.kind for m in media]}"
+        )
+    pieces: list[str | Media] = []
+    for text, item in zip(_MARK.split(rendered)[::2], [*media, None], strict=True):
+        pieces.append(text)
+        if item is not None:
+            pieces.append(item)
+    return pieces
 
 
 class ChatState:

@@ -1,7 +1,8 @@
 """`Context`: a token sequence and its KV cache, with chat helpers and queued (pending) input.
 
-Chat calls and `fill` only queue text; it is encoded as one piece and prefilled by `flush()` or
-by the first pass of `generate()`, so a whole chat prompt tokenizes exactly like its render.
+Chat calls and `fill` only queue text (and the media a message holds); text is encoded as one
+piece and prefilled by `flush()` or by the first pass of `generate()`, so a whole chat prompt
+tokenizes exactly like its render; queued media are written in order before that pass.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any
 from wit_world.imports import context as _ctx
 from wit_world.imports import forward as fw
 
-from inferlet.chat import ChatState
+from inferlet.chat import ChatState, Content, chat_content, split_rendered
 from inferlet.errors import call
 from inferlet.forward import AttentionWindow, Forward, run_pass
 from inferlet.generation import Generation, StepBias
 from inferlet.grammar import Grammar, Matcher, grammar_for
+from inferlet.media import Media
+from inferlet.media import append as append_media
 from inferlet.model import Message, Model
 from inferlet.sampling import Sampler
 
@@ -33,7 +36,7 @@ class Context:
         self.adapter = adapter or model.adapter
         self.handle = call(_ctx.create, model.handle) if _handle is None else _handle
         self.chat = ChatState(model)
-        self._pending: list[str | list[int]] = []
+        self._pending: list[str | list[int] | Media] = []
         self._last_token: int | None = None
         self._busy = False
         self._destroyed = False
@@ -74,15 +77,27 @@ class Context:
 
     # Queued input ---------------------------------------------------------------------------
 
-    def system(self, text: str) -> Context:
-        """Queues a system message as the model's chat template renders it."""
-        return self.fill(self.chat.add("system", text))
+    def system(self, content: Content) -> Context:
+        """Queues a system message as the model's chat template renders it. `content` is text,
+        or a list of text and media (`inferlet.Image`, `Video`, `Audio`): each medium goes
+        where the template places it, written by `flush()` or before a generation."""
+        return self._message("system", content)
 
-    def user(self, text: str) -> Context:
-        return self.fill(self.chat.add("user", text))
+    def user(self, content: Content) -> Context:
+        return self._message("user", content)
 
-    def assistant(self, text: str) -> Context:
-        return self.fill(self.chat.add("assistant", text))
+    def assistant(self, content: Content) -> Context:
+        return self._message("assistant", content)
+
+    def _message(self, role: str, content: Content) -> Context:
+        text, media = chat_content(content)
+        added = self.chat.add(role, text)
+        for piece in split_rendered(added, media):
+            if isinstance(piece, str):
+                self.fill(piece)
+            else:
+                self._pending.append(piece)
+        return self
 
     def cue(self) -> Context:
         """Queues the prompt that starts the assistant's turn."""
@@ -112,15 +127,29 @@ class Context:
         """Encodes the queued input (each run of text in one piece) and clears the queue."""
         tokens: list[int] = []
         for piece in self._pending:
+            if isinstance(piece, Media):
+                raise RuntimeError("media are queued: await ctx.flush() (or generate) first")
             tokens.extend(self.model.encode(piece) if isinstance(piece, str) else piece)
         self._pending = []
         return tokens
 
     async def flush(self) -> None:
-        """Prefills the queued input in one pass (no slots)."""
+        """Writes the queued input: each run of text in one pass (no slots), each medium in
+        one pass of its own."""
+        await self.flush_media()
         tokens = self.take_pending()
         if tokens:
             await self._run_own(_pass(self.handle, tokens, [], self.adapter))
+
+    async def flush_media(self) -> None:
+        """Writes the queued input up to its last medium; the text after it stays queued."""
+        while media_at := [i for i, p in enumerate(self._pending) if isinstance(p, Media)]:
+            first = media_at[0]
+            item, rest = self._pending[first], self._pending[first + 1 :]
+            assert isinstance(item, Media)
+            self._pending = self._pending[:first]
+            await self._append(item)
+            self._pending = rest + self._pending
 
     async def append_image(self, image: Any) -> Context:
         """Writes the queued input, then the picture (an `inferlet.Image`) in one pass: the
@@ -133,13 +162,11 @@ class Context:
     async def append_audio(self, clip: Any) -> Context:
         return await self._append(clip)
 
-    async def _append(self, item: Any) -> Context:
-        from inferlet import media
-
+    async def _append(self, item: Media) -> Context:
         await self.flush()
         self.acquire()
         try:
-            await media.append(self.handle, item)
+            await append_media(self.handle, item)
         finally:
             self.release(None)
         return self
@@ -272,7 +299,7 @@ class Context:
         """An O(1) copy sharing this context's pages, with the same queued input and chat."""
         self._check_usable()
         child = Context(self.model, adapter=self.adapter, _handle=call(_ctx.fork, self.handle))
-        child._pending = [p if isinstance(p, str) else list(p) for p in self._pending]
+        child._pending = [list(p) if isinstance(p, list) else p for p in self._pending]
         child._last_token = self._last_token
         child.chat = self.chat.copy()
         return child

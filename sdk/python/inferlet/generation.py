@@ -163,6 +163,7 @@ class Generation:
         """Starts the run if needed and waits for its next output (its end when
         `deliver_every` is None)."""
         if self._run is None:
+            await self._ctx.flush_media()
             self._start_run(deliver_every or 0)
         assert self._run is not None
         pending = call(gen.next, self._run)
@@ -242,6 +243,7 @@ class Generation:
     async def _step(self) -> None:
         ctx = self._ctx
         if self._feed is None:
+            await ctx.flush_media()
             self._feed = self._start()
         feed, step = self._feed, len(self.tokens)
         op = self._op or self._sampler.at_step(step).slot_op()
