@@ -20,6 +20,7 @@ from pie.drivers.cuda_graphs import DecodeGraph, DecodeGraphs, graph_buckets
 from pie.drivers.fused_layers import layer_kernels_for
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache
 from pie.drivers.lora import LoraAdapters
+from pie.drivers.media_store import MediaStore
 from pie.drivers.models.base import PLAIN_ATTENTION, CausalLM, ModelConfig
 from pie.drivers.paged_kernels import PagedKernels
 from pie.drivers.paged_plan import AttentionPlan, plan_attention
@@ -32,7 +33,8 @@ class CudaDriver(TorchDriver):
     runs bfloat16 and float16 (select.PAGED_DTYPES).
     `graph_batch_sizes`: the decode buckets to capture (empty: the defaults; None: no CUDA
     graphs). One page beyond `num_pages` is kept as the graphs' scratch page. Passes that name a
-    LoRA adapter run eagerly."""
+    LoRA adapter or carry media run eagerly; `media` is the model's media store (encoders run
+    on the model's device)."""
 
     def __init__(
         self,
@@ -51,6 +53,7 @@ class CudaDriver(TorchDriver):
         capture: bool = True,
         seed: int | None = None,
         adapters: LoraAdapters | None = None,
+        media: MediaStore | None = None,
     ) -> None:
         if any(layer != PLAIN_ATTENTION for layer in model.attention_layers()):
             raise ValueError(
@@ -70,6 +73,7 @@ class CudaDriver(TorchDriver):
             model_name=model_name,
             seed=seed,
             adapters=adapters,
+            media=media,
         )
         self.layer_kernels = layer_kernels_for(kernels)
         model.use_kernels(self.layer_kernels)
@@ -96,7 +100,8 @@ class CudaDriver(TorchDriver):
         plan = plan_attention(batch, self.info.page_size)
         # The graphs were captured with no adapter chosen: a pass that names one runs eagerly.
         adapted = any(name is not None for name in batch.adapters)
-        graph = None if adapted else self._graph_for(plan)
+        # Graphs hold token embeddings only: a pass with soft tokens (media) runs eagerly.
+        graph = None if adapted or batch.media else self._graph_for(plan)
         if graph is not None:
             positions = self._rope_positions(batch)
             graph.prepare(batch.token_ids, positions, plan.write_rows, plan.groups[0])

@@ -117,7 +117,12 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     _announce(common["model_name"], choice, how, num_pages, kv.page_size)
     graphs = config.driver.graph_batch_sizes if config.driver.cuda_graphs else None
     driver = CudaDriver(
-        loaded.model, loaded.config, kernels=kernels, graph_batch_sizes=graphs, **common
+        loaded.model,
+        loaded.config,
+        kernels=kernels,
+        graph_batch_sizes=graphs,
+        media=_media_store(loaded, config, common["model_name"]),
+        **common,
     )
     return driver, loaded.tokenizer
 
