@@ -36,6 +36,7 @@ RUNNERS = {
     "bench decoding": "pie.cli.bench.decoding:run_bench_decoding",
     "bench peers": "pie.cli.bench.peers:run_bench_peers",
     "bench step": "pie.cli.bench.step:run_bench_step",
+    "bench media": "pie.cli.bench.media:run_bench_media",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

@@ -177,6 +177,7 @@ def add_bench_parsers(commands: Commands) -> None:
     _bench_gpu_parser(suites)
     _bench_peers_parser(suites)
     _bench_step_parser(suites)
+    _bench_media_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -296,6 +297,39 @@ def _bench_step_parser(suites: Commands) -> None:
     step.add_argument("--model", help="a model (default: the embedded SmolLM2-135M)")
     step.add_argument("--weights", choices=["auto", "dtype", "int8", "int4"], default="auto")
     step.add_argument("--activations", choices=["float32", "int8"], default="float32")
+
+
+def _bench_media_parser(suites: Commands) -> None:
+    media = suites.add_parser(
+        "media", help="media decoding, preprocessing and encoders, and image requests at once"
+    )
+    media.add_argument("--json", action="store_true", help="print one JSON object")
+    media.add_argument("--repeats", type=int, default=5, help="timed runs (rounds) of each")
+    media.add_argument(
+        "--image-sizes",
+        type=_size,
+        nargs="+",
+        default=[(640, 480), (1280, 960)],
+        metavar="WxH",
+        help="picture sizes; the first is also the video's and the engine requests'",
+    )
+    media.add_argument("--audio-seconds", type=float, default=10.0, help="length of the clip")
+    media.add_argument("--requests", type=int, default=8, help="image requests through the engine")
+    media.add_argument("--tokens", type=int, default=16, help="greedy tokens after each picture")
+    media.add_argument("--hidden", type=int, default=256, help="decoder width")
+    media.add_argument("--layers", type=int, default=4, help="decoder layers")
+    media.add_argument("--vision-dim", type=int, default=256, help="encoder width")
+    media.add_argument("--vision-depth", type=int, default=4, help="encoder layers")
+    media.add_argument("--patch", type=int, default=14, help="vision patch size in pixels")
+    media.add_argument("--cache-dir", help="where the random models are kept")
+
+
+def _size(text: str) -> tuple[int, int]:
+    width, _, height = text.lower().partition("x")
+    try:
+        return int(width), int(height)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, got {text!r}") from None
 
 
 def _bench_peers_parser(suites: Commands) -> None:

@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from typing import Any
 
 from attrs import frozen
 
+from pie.cli.bench import spread
 from pie.cli.bench.peer_models import at_precision
 from pie.drivers.loader.resolve import default_gguf_path
 
@@ -139,10 +139,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return summarise(runs, args)
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarise(
     runs: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -153,11 +149,11 @@ def summarise(
         entry: dict[str, Any] = {}
         for engine, figures in engines.items():
             if figures:
-                entry[engine] = {key: _spread([f[key] for f in figures]) for key in FIGURES}
+                entry[engine] = {key: spread([f[key] for f in figures]) for key in FIGURES}
         if engines["pie"] and engines["peer"]:
             for ratio, key in RATIOS.items():
                 pairs = zip(engines["pie"], engines["peer"], strict=True)
-                entry[ratio] = _spread([ours[key] / theirs[key] for ours, theirs in pairs])
+                entry[ratio] = spread([ours[key] / theirs[key] for ours, theirs in pairs])
         out["precisions"][name] = entry
     peer_runs = [f for engines in runs.values() for f in engines["peer"]]
     out["peer_extra_buffers"] = all(f.get("extra_buffers", True) for f in peer_runs)

@@ -11,6 +11,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from pie.cli.bench import spread
+
 _INT4_LINEARS = ("::linear", "::linear_tiled")
 SPLIT = (
     ("int4 layers", lambda name: name.startswith("pie_q4") and name.endswith(_INT4_LINEARS)),
@@ -76,10 +78,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "context": args.context,
         "threads": torch.get_num_threads(),
-        "ratio": _spread(ratios),
+        "ratio": spread(ratios),
     }
     for mode in MODES:
-        figures[mode] = {"step_ms": _spread(times[mode]), "split_ms": dict(splits[mode])}
+        figures[mode] = {"step_ms": spread(times[mode]), "split_ms": dict(splits[mode])}
     return figures
 
 
@@ -149,7 +151,3 @@ class _Steps:
             if part is not None:
                 split[part] += event.cpu_time_total / count / 1e3
         return Counter({part: round(ms, 3) for part, ms in split.most_common()})
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
