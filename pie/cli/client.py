@@ -20,9 +20,17 @@ import trio
 
 from pie.client.bus import Watch
 from pie.client.connection import Client, connect
-from pie.client.errors import CannotConnect, ConnectionLost, PieError, ServerError
+from pie.client.errors import (
+    CannotConnect,
+    ConnectionLost,
+    MessageTooLarge,
+    PieError,
+    ServerError,
+)
+from pie.client.files import checked_size
 from pie.client.inferlet import Outcome, RemoteInferlet
 from pie.events import inferlet as ev
+from pie.wire.frames import DEFAULT_MAX_FRAME
 
 INTERRUPTED = 130
 
@@ -40,10 +48,16 @@ def _program_bytes(path: Path) -> bytes:
 
 def run_submit(args: argparse.Namespace) -> int:
     path = Path(args.program)
+    files = [Path(f) for f in args.file]
     try:
         wasm = _program_bytes(path)
+        for file in files:
+            checked_size(file, DEFAULT_MAX_FRAME)
     except OSError as exc:
-        _note(f"cannot read {path}: {exc.strerror or exc}")
+        _note(f"cannot read {exc.filename or path}: {exc.strerror or exc}")
+        return 2
+    except MessageTooLarge as exc:
+        _note(str(exc))
         return 2
 
     async def submit(client: Client) -> int:
@@ -62,6 +76,8 @@ def run_submit(args: argparse.Namespace) -> int:
         finally:
             bar.close()
         inferlet = await client.launch(info.hash, args.input)
+        for file in files:
+            await inferlet.send_file(file)
         if args.detach:
             print(inferlet.instance)
             return 0

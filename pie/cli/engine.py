@@ -59,17 +59,26 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_program(args: argparse.Namespace) -> int:
-    """Runs one inferlet on an in-process engine: its result alone goes to stdout; its own
-    output, session messages and failures go to stderr."""
+    """Runs one inferlet on an in-process engine, sending it each `--file` as a session
+    message: its result alone goes to stdout; its own output, session messages and failures go
+    to stderr."""
     from pie.engine import open_engine
 
     config = engine_config(args)
     wasm = Path(args.program).read_bytes()
+    try:
+        files = [Path(f).read_bytes() for f in args.file]
+    except OSError as exc:
+        print(f"pie: cannot read {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
 
     async def main() -> Any:
-        async with open_engine(config) as engine:
+        async with open_engine(config) as engine, engine.requester() as requester:
             program = engine.programs.add(wasm)
-            return await engine.run_inferlet(program.hash, args.input, on_event=_show_event)
+            run = await requester.launch(program.hash, args.input)
+            for data in files:
+                await run.send(data=data)
+            return await run.outcome(_show_event)
 
     outcome = trio.run(main)
     if outcome.status == "returned":

@@ -75,6 +75,13 @@ def add_engine_parsers(commands: Commands) -> None:
     run = commands.add_parser("run", help="run an inferlet component on the configured model")
     run.add_argument("program", help="a .wasm component made by `pie build`")
     run.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
+    run.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="send the file's bytes to the inferlet's session after launch (repeatable, in order)",
+    )
     add_engine_options(run)
 
 
@@ -85,6 +92,13 @@ def add_client_parsers(commands: Commands) -> None:
         "program", help="a .wasm component made by `pie build`, or an inferlet folder to build"
     )
     submit.add_argument("--input", default="", help="the inferlet's input (JSON by convention)")
+    submit.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="send the file's bytes to the inferlet's session after launch (repeatable, in order)",
+    )
     submit.add_argument("--name", help="install under this name (default: the file's stem)")
     submit.add_argument(
         "--version",

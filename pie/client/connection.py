@@ -27,6 +27,7 @@ from pie.client.errors import (
     raise_sole,
     server_error,
 )
+from pie.client.files import file_message
 from pie.client.inferlet import FINAL_EVENTS, ProgramInfo, RemoteInferlet, Subscription
 from pie.wire import messages as msg
 from pie.wire.frames import DEFAULT_MAX_FRAME, FrameError, decode_server_frame, encode_frame
@@ -110,6 +111,11 @@ class Client:
         text, data = (message, None) if isinstance(message, str) else (None, bytes(message))
         request = msg.SendMessage(corr=self._corr(), instance=instance, text=text, data=data)
         await self._call(request)
+
+    async def send_file(self, instance: str, path: Path | str) -> None:
+        """Sends a file's bytes as one message; `MessageTooLarge` before anything is sent when
+        it cannot fit in a frame (`connect(max_frame=)`, as large as the server's)."""
+        await self._call(file_message(self._corr(), instance, Path(path), self._max_frame))
 
     async def detach(self, instance: str) -> None:
         """Stops following an inferlet; it keeps running."""

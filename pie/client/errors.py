@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -43,6 +44,19 @@ class WatchOverflowed(PieError):
             "stopped watching it"
         )
         self.topic = topic
+
+
+class MessageTooLarge(PieError):
+    """A file too large for one message: its frame would be over the frame limit, which the
+    server refuses (`[server] max_frame_mb`; the client's `connect(max_frame=)`)."""
+
+    def __init__(self, path: Path, size: int, max_frame: int) -> None:
+        super().__init__(
+            f"{path} is {size} bytes; sent as one message (base64 in a frame) it would be over "
+            f"the {max_frame}-byte frame limit, so nothing was sent"
+        )
+        self.size = size
+        self.max_frame = max_frame
 
 
 class ServerError(PieError):

@@ -4,6 +4,7 @@ a caller reads, messages and stops it through."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
@@ -93,6 +94,10 @@ class RemoteInferlet:
     async def send(self, message: str | bytes) -> None:
         """Text or bytes for the inferlet's `session.receive`."""
         await self._client.send(self.instance, message)
+
+    async def send_file(self, path: Path | str) -> None:
+        """A file's bytes as one message (`Client.send_file`)."""
+        await self._client.send_file(self.instance, path)
 
     async def terminate(self) -> None:
         """Asks the server to stop it; the final event (`InferletTerminated`) still follows."""

@@ -102,6 +102,9 @@ class SyncInferlet:
     def send(self, message: str | bytes) -> None:
         self._loop.run(self._remote.send, message)
 
+    def send_file(self, path: Path | str) -> None:
+        self._loop.run(self._remote.send_file, path)
+
     def terminate(self) -> None:
         self._loop.run(self._remote.terminate)
 
@@ -183,6 +186,9 @@ class SyncClient:
 
     def send(self, instance: str, message: str | bytes) -> None:
         self._loop.run(self._client.send, instance, message)
+
+    def send_file(self, instance: str, path: Path | str) -> None:
+        self._loop.run(self._client.send_file, instance, path)
 
     def detach(self, instance: str) -> None:
         self._loop.run(self._client.detach, instance)

@@ -1,5 +1,6 @@
 """An OpenAI-compatible API as an HTTP-served inferlet: `GET /models`, `POST /chat/completions`,
-`POST /completions` and `POST /responses`, whole or streamed as server-sent events.
+`POST /completions` and `POST /responses`, whole or streamed as server-sent events; chat
+messages may hold images, audio and video for a model that reads them.
 `pie serve --http PORT --openai` mounts it at /v1; each request runs in its own instance,
 batched with everything else. The model's LoRA adapters are models too (as in vLLM): a request
 whose `model` names one runs through it."""
@@ -21,9 +22,10 @@ from params import (
     ApiError,
     Params,
     error_body,
-    prompt_tokens,
+    refuse_audio_output,
     refuse_unsupported,
 )
+from prompt import Prompt
 
 
 async def handle(request: Request) -> Any:
@@ -71,6 +73,7 @@ async def _route(request: Request) -> Any:
 
 
 async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
+    refuse_audio_output(model, body)
     refuse_unsupported(body, CHAT_FIELDS)
     params = Params.of(
         body, length_keys=("max_completion_tokens", "max_tokens"), vocab_size=model.vocab_size
@@ -81,15 +84,15 @@ async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
     top = logprobs.chat_top(body)
     use = tools.tool_use(body)
     messages = tools.with_tools(tools.conversation(body.get("messages")), use)
-    prompt = prompt_tokens(model, messages, "messages")
     if use.offered:
         params.grammar = tools.compile_grammar(model, use, params.schema)
+    prompt = await Prompt.of(model, messages, "messages")
     with Context(model) as ctx:
-        ctx.fill_tokens(prompt)
+        await prompt.write(ctx)
         if top is not None:
             await ctx.flush()  # the scorers fork the prefilled prompt
         generations = await params.choices(ctx, body)
-        reply = _Reply(runtime.instance_id(), model, len(prompt), generations, use)
+        reply = _Reply(runtime.instance_id(), model, prompt.count, generations, use)
         scorers = [] if top is None else [logprobs.Scorer(ctx, top) for _ in generations]
         try:
             if body.get("stream"):

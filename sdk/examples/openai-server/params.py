@@ -1,11 +1,13 @@
-"""What the OpenAI request bodies share: messages in the chat template's shape, sampling, length
-and output-format parameters, each checked with a 400 that names the bad field. A field this
-server does not support is refused by name unless it asks for the API's default behaviour."""
+"""What the OpenAI request bodies share: messages in the chat template's shape (their media parts
+marked, see content.py), sampling, length and output-format parameters, each checked with a 400
+that names the bad field. A field this server does not support is refused by name unless it
+asks for the API's default behaviour."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from content import content_of
 from inferlet import Context, Grammar, HostError, Sampler
 from inferlet.serving import HttpError
 
@@ -21,7 +23,7 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
     "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "tools",
-    "tool_choice", "parallel_tool_calls",
+    "tool_choice", "parallel_tool_calls", "modalities",
 }  # fmt: skip
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
@@ -45,6 +47,20 @@ def refuse_unsupported(body: dict[str, Any], supported: set[str]) -> None:
         if field in supported or value is None or value in DEFAULTS.get(field, ()):
             continue
         raise HttpError(400, f"{field}: not supported by this server")
+
+
+def refuse_audio_output(model: Any, body: dict[str, Any]) -> None:
+    """`modalities` may ask for text only: audio output (there or as `audio`) is refused."""
+    modalities = body.get("modalities")
+    if modalities is not None and (
+        not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities)
+    ):
+        raise HttpError(400, 'modalities: a list of "text" and "audio"')
+    asked = "modalities" if "audio" in (modalities or ()) else None
+    if asked or body.get("audio") is not None:
+        raise HttpError(
+            400, f"{asked or 'audio'}: audio output is not supported by model {model.name!r}"
+        )
 
 
 class Params:
@@ -219,34 +235,23 @@ def _stops(stop: Any) -> list[str]:
     return stops
 
 
-def chat_messages(messages: Any, field: str = "messages") -> list[dict[str, str]]:
+def chat_messages(messages: Any, field: str = "messages") -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, f"{field}: a non-empty list of messages")
     return [message(m, f"{field}[{i}]") for i, m in enumerate(messages)]
 
 
-def message(given: Any, where: str) -> dict[str, str]:
-    """One message with a role the chat template knows and text content."""
+def message(given: Any, where: str) -> dict[str, Any]:
+    """One message with a role the chat template knows; its content's media (`media`) are
+    marked in its text where they stand."""
     if not isinstance(given, dict):
         raise HttpError(400, f"{where}: a message is an object with role and content")
     named = given.get("role")
     role = ROLES.get(named) if isinstance(named, str) else None
     if role is None:
         raise HttpError(400, f"{where}.role: one of {', '.join(ROLES)}")
-    return {"role": role, "content": text_of(given.get("content"), f"{where}.content")}
-
-
-def prompt_tokens(model: Any, messages: list[dict[str, str]], field: str) -> list[int]:
-    """The chat prompt's tokens, counted before any pass runs."""
-    tokens = model.encode(model.format_chat(messages, True))
-    if len(tokens) > MAX_PROMPT_TOKENS:
-        raise ApiError(
-            400,
-            f"{field}: the prompt is {len(tokens)} tokens, over the {MAX_PROMPT_TOKENS} this"
-            " endpoint takes",
-            code="context_length_exceeded",
-        )
-    return tokens
+    text, media = content_of(given.get("content"), f"{where}.content")
+    return {"role": role, "content": text, "media": media}
 
 
 class ApiError(HttpError):
@@ -267,17 +272,11 @@ def error_body(error: HttpError) -> dict[str, Any]:
 
 
 def text_of(content: Any, where: str) -> str:
-    """Plain text, or the text parts of a list of content parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                raise HttpError(400, f"{where}: only text parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise HttpError(400, f"{where}: a string or a list of text parts")
+    """Plain text, or the text parts of a list of content parts (no media)."""
+    text, media = content_of(content, where)
+    if media:
+        raise HttpError(400, f"{media[0].where}: only text parts are supported here")
+    return text
 
 
 def _number(field: str, value: Any, low: float, high: float) -> float:

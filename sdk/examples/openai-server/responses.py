@@ -1,15 +1,17 @@
 """`POST /responses`: the Responses API's text subset (`input` as a string or a list of
-messages, `instructions`), `text.format` for JSON output, returned whole or as its stream of typed
-server-sent events."""
+messages, whose parts may be `input_image` and `input_audio`; `instructions`), `text.format` for
+JSON output, returned whole or as its stream of typed server-sent events."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from content import content_of
 from inferlet import Context, runtime, serving
 from inferlet.serving import HttpError
-from params import RESPONSES_FIELDS, Params, chat_messages, prompt_tokens, refuse_unsupported
+from params import RESPONSES_FIELDS, Params, chat_messages, refuse_unsupported
+from prompt import Prompt
 
 
 async def create(model: Any, body: dict[str, Any]) -> Any:
@@ -17,10 +19,11 @@ async def create(model: Any, body: dict[str, Any]) -> Any:
     params = Params.of(body, length_keys=("max_output_tokens",))
     messages = _input_messages(body)
     ident = runtime.instance_id()
+    prompt = await Prompt.of(model, messages, "input")
     with Context(model) as ctx:
-        ctx.fill_tokens(prompt_tokens(model, messages, "input"))
+        await prompt.write(ctx)
         generation = params.generate(ctx, params.sampler)
-        shell = _Shell(ident, model.name, body)
+        shell = _Shell(ident, model.name, body, prompt.count)
         if not body.get("stream"):
             text = await generation.collect_text()
             return shell.response("completed", [shell.message(text, "completed")], generation)
@@ -28,10 +31,10 @@ async def create(model: Any, body: dict[str, Any]) -> Any:
         return None
 
 
-def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     given = body.get("input")
     if isinstance(given, str):
-        messages = [{"role": "user", "content": given}]
+        messages = [{"role": "user", "content": content_of(given, "input")[0]}]
     else:
         items = [_item(i) for i in given] if isinstance(given, list) else given
         messages = chat_messages(items, "input")
@@ -39,7 +42,8 @@ def _input_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     if instructions is not None:
         if not isinstance(instructions, str):
             raise HttpError(400, "instructions: a string")
-        messages.insert(0, {"role": "system", "content": instructions})
+        system, _ = content_of(instructions, "instructions")
+        messages.insert(0, {"role": "system", "content": system})
     return messages
 
 
@@ -53,12 +57,13 @@ def _item(item: Any) -> Any:
 class _Shell:
     """The parts of a response object that do not depend on the generated text."""
 
-    def __init__(self, ident: str, model: str, body: dict[str, Any]) -> None:
+    def __init__(self, ident: str, model: str, body: dict[str, Any], prompt: int) -> None:
         self.id = f"resp_{ident}"
         self.message_id = f"msg_{ident}"
         self.model = model
         self.created = int(time.time())
         self.body = body
+        self.prompt = prompt
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": []}] if text else []
@@ -88,14 +93,16 @@ class _Shell:
             "tool_choice": "none",
             "tools": [],
             "output": output,
-            "usage": _usage(generation),
+            "usage": _usage(self.prompt, generation),
         }
 
 
-def _usage(generation: Any) -> dict[str, Any] | None:
+def _usage(prompt: int, generation: Any) -> dict[str, Any] | None:
+    """The prompt's tokens counted with its media (a generation sees only the text after the
+    last medium)."""
     if generation is None:
         return None
-    prompt, completion = generation.prompt_tokens, len(generation.tokens)
+    completion = len(generation.tokens)
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0},

@@ -121,7 +121,7 @@ def _choice(choice: Any, names: list[str]) -> str:
     return str(name)
 
 
-def with_tools(messages: list[dict[str, str]], use: ToolUse) -> list[dict[str, str]]:
+def with_tools(messages: list[dict[str, Any]], use: ToolUse) -> list[dict[str, Any]]:
     """The conversation with the tools described in its system message (added when missing)."""
     if not use.offered:
         return messages
@@ -135,18 +135,18 @@ def with_tools(messages: list[dict[str, str]], use: ToolUse) -> list[dict[str, s
         f"{CLOSE}"
     )
     if messages[0]["role"] == "system":
-        first = {"role": "system", "content": f"{messages[0]['content']}\n\n{section}"}
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": section}, *messages]
 
 
-def conversation(messages: Any) -> list[dict[str, str]]:
+def conversation(messages: Any) -> list[dict[str, Any]]:
     """Chat Completions messages as chat-template messages: an assistant's calls in the form the
     model writes them, and each run of `tool` results as one user turn of <tool_response> blocks,
     in order (as Qwen's template renders them)."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "messages: a non-empty list of messages")
-    rendered: list[dict[str, str]] = []
+    rendered: list[dict[str, Any]] = []
     calls: set[str] = set()
     results: list[str] = []
     for i, given in enumerate(messages):
