@@ -1,5 +1,6 @@
 """The [media] section: limits on the images, video and audio that programs and clients send
-as encoded bytes and the engine decodes (docs/media.md)."""
+as encoded bytes and the engine decodes, and on the speech a speaking model produces
+(docs/media.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ class MediaConfig:
     encoder_cache_mb: int = field(default=256, validator=at_least(1))
     """Encoder outputs kept per model, by content hash, so that the same media in forks,
     snapshots and later requests is not encoded again; the least recently used go first."""
+    speech_max_seconds: float = field(default=30.0, validator=positive)
+    """The longest clip one speech request may ask for."""
+    max_speech_per_inferlet: int = field(default=4, validator=at_least(1))
+    """Speech requests in flight and clips held by one program at once (each request keeps its
+    own KV until it ends, each clip its samples until freed)."""
+    max_speech_per_user: int = field(default=16, validator=at_least(1))
+    """The same, counted over all of one user's programs."""
 
     def __attrs_post_init__(self) -> None:
         if self.video_frames > self.max_video_frames:

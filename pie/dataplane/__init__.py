@@ -1,7 +1,8 @@
 """The data plane: what carries tokens, with no Trio in it. The pass loop (loop.py) runs every
 forward pass on one thread; the batch former (former.py) decides what each pass holds and when
 it fires; lanes (lanes.py, lane.py) run plain decodes on the fast path, and the speculator
-(speculator.py) stages their next passes ahead. The actors reach it only through the inference
+(speculator.py) stages their next passes ahead; a speaking model's speech requests (speech.py)
+step between passes. The actors reach it only through the inference
 actor; the sandbox only through the `FastPath` protocol the engine fills with the lanes."""
 
 from pie.dataplane.former import (
@@ -14,6 +15,7 @@ from pie.dataplane.former import (
 from pie.dataplane.lanes import Lanes
 from pie.dataplane.loop import PassLoop, PassReport, PassTimes
 from pie.dataplane.speculator import SpeculationStatistics, Speculator
+from pie.dataplane.speech import Speaker, SpeechDesk, SpeechStatistics
 
 __all__ = [
     "BatchFormer",
@@ -27,4 +29,7 @@ __all__ = [
     "PassTimes",
     "SpeculationStatistics",
     "Speculator",
+    "Speaker",
+    "SpeechDesk",
+    "SpeechStatistics",
 ]

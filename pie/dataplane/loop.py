@@ -4,7 +4,8 @@ The batch former (former.py) decides what each pass holds and when it fires: pla
 from the kv actor and queued lane passes (lanes.py) alike. When a pass ends, staged passes are
 queued and the next pass starts at once when the former says so; lane results reach their
 programs, and what the kv actor placed reaches the Trio thread as one `PassReport`, from the
-outbox thread while that next pass runs.
+outbox thread while that next pass runs. A speaking model's speech requests (speech.py) take one
+step after each pass, or while no pass is due.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from attrs import define, frozen
 
 from pie.dataplane.former import BatchFormer, BatchStatistics, FormedPass
 from pie.dataplane.lanes import Effects, LanePass, Lanes
+from pie.dataplane.speech import SpeechDesk
 from pie.drivers.base import Driver
 from pie.drivers.batch import ForwardBatch
 from pie.events.forward import ForwardRequest
@@ -66,8 +68,10 @@ class PassLoop:
         lanes: Lanes,
         former: BatchFormer,
         report: Callable[[PassReport], None],
+        speech: SpeechDesk | None = None,
     ) -> None:
         self.driver = driver
+        self.speech = speech
         self.lanes = lanes
         self.former = former
         self._report = report
@@ -118,19 +122,25 @@ class PassLoop:
             if taken is None:
                 with self._cond:
                     taken = self._wait_for_work()
-                if taken is None:
+                if taken is None and self._stopping:
                     return
             try:
-                taken = self._run(*taken)
+                if taken is not None:
+                    taken = self._run(*taken)
             except Exception:  # the loop must outlive a bug in one pass's bookkeeping
                 traceback.print_exc(file=sys.stderr)
                 taken = None
+            if self.speech is not None:
+                self.speech.step()
 
     def _wait_for_work(self) -> Work | None:
+        """The next pass's work; None when stopping or when speech waits for a step."""
         while not self._stopping:
             taken, timeout = self._next_work()
             if taken is not None:
                 return taken
+            if self.speech is not None and self.speech.busy:
+                return None
             self._cond.wait(timeout)
         return None
 

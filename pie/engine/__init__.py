@@ -41,6 +41,7 @@ from pie.net.policy import NetworkPolicy
 from pie.net.quota import FetchQuota
 from pie.sandbox import SandboxLimits, WasmRuntime
 from pie.sandbox.host import ModelView
+from pie.sandbox.host.records import SpeechHolds, SpeechLimits
 
 
 @frozen(kw_only=True)
@@ -134,6 +135,14 @@ class Engine:
             Path(config.sandbox.cache_dir or default_cache_dir() / "components"),
             epoch_interval=config.sandbox.epoch_ms / 1000,
         )
+        media = config.media
+        self.speech_holds = SpeechHolds(
+            SpeechLimits(
+                max_seconds=media.speech_max_seconds,
+                per_inferlet=media.max_speech_per_inferlet,
+                per_user=media.max_speech_per_user,
+            )
+        )
         self.inferlets = self._inferlet_actor()
 
     def model(self, name: str | None = None) -> ModelStack:
@@ -165,6 +174,8 @@ class Engine:
             inputs=stack.info.inputs,
             outputs=stack.info.outputs,
             media=store,
+            speech=stack.speech,
+            speech_holds=self.speech_holds if stack.speech is not None else None,
         )
         if store is not None:
             store.tokenize = _locked_encode(view)

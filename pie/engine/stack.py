@@ -17,7 +17,7 @@ from pie.actors.kv.actor import KvActor
 from pie.actors.kv.durable import SnapshotStore
 from pie.actors.runtime import Router
 from pie.config import EngineConfig
-from pie.dataplane import BatchFormer, BatchPolicy, Lanes
+from pie.dataplane import BatchFormer, BatchPolicy, Lanes, Speaker, SpeechDesk
 from pie.drivers.base import Driver, DriverInfo
 from pie.events.batching import EngineStarted
 
@@ -33,6 +33,8 @@ class ModelStack:
     kv: KvActor
     lanes: Lanes
     inference: InferenceActor
+    speech: SpeechDesk | None = None
+    """The model's speech requests, for a model that speaks."""
 
     @property
     def info(self) -> DriverInfo:
@@ -110,9 +112,16 @@ def build_stack(
         post=lambda events: inference[0].post(events),
         address=kv_address,
     )
+    speech = _speech_desk(driver, lanes)
     inference.append(
         InferenceActor(
-            driver, router, lanes, BatchFormer(policy), kv=kv_address, address=inference_address
+            driver,
+            router,
+            lanes,
+            BatchFormer(policy),
+            kv=kv_address,
+            address=inference_address,
+            speech=speech,
         )
     )
     return ModelStack(
@@ -123,7 +132,16 @@ def build_stack(
         kv=kv,
         lanes=lanes,
         inference=inference[0],
+        speech=speech,
     )
+
+
+def _speech_desk(driver: Driver, lanes: Lanes) -> SpeechDesk | None:
+    """The desk of a driver whose model speaks; it steps on the pass loop's condition."""
+    if "speech" not in driver.info.outputs:
+        return None
+    speaker: Speaker = getattr(driver, "model")  # noqa: B009  (a torch driver's model)
+    return SpeechDesk(speaker, lanes.cond)
 
 
 def _store(config: EngineConfig, index: int, name: str) -> SnapshotStore | None:

@@ -400,6 +400,10 @@ class FakeHost:
                     "append",
                 )
             },
+            "speech": {
+                name: _no_speech
+                for name in ("voices", "speak", "spoken", "info", "wav", "samples", "free")
+            },
             "mcp": {
                 "servers": lambda: ["toys"],
                 "list-tools": h.list_tools,
@@ -412,6 +416,10 @@ class FakeHost:
 
 def _no_media(*args: Any) -> Any:
     raise Refused("unsupported-media", "the toy model reads text only")
+
+
+def _no_speech(*args: Any) -> Any:
+    raise Refused("unsupported-media", "model 'toy' does not speak (it produces text)")
 
 
 GRAMMAR_CALLS = (

@@ -11,7 +11,15 @@ import trio
 from attrs import frozen
 
 from pie.actors.runtime import Actor, Router
-from pie.dataplane import BatchFormer, BatchStatistics, Lanes, PassLoop, PassReport, PassTimes
+from pie.dataplane import (
+    BatchFormer,
+    BatchStatistics,
+    Lanes,
+    PassLoop,
+    PassReport,
+    PassTimes,
+    SpeechDesk,
+)
 from pie.drivers.base import Driver, DriverError
 from pie.events.batching import ForwardCompleted, ScheduleForward
 from pie.events.forward import ForwardRequest
@@ -48,10 +56,11 @@ class InferenceActor(Actor):
         *,
         kv: str = "kv",
         address: str = "inference",
+        speech: SpeechDesk | None = None,
     ) -> None:
         super().__init__(address, router, capacity=65536)
         self.kv = kv
-        self._loop = PassLoop(driver, lanes, former, self._from_thread)
+        self._loop = PassLoop(driver, lanes, former, self._from_thread, speech)
         self._token: trio.lowlevel.TrioToken | None = None
         self._partial: dict[int, list[tuple[int, SlotOutput]]] = {}
         self._failures = 0

@@ -33,6 +33,7 @@ from pie.sandbox import (
 )
 from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
 from pie.sandbox.host.media import release_all as release_media
+from pie.sandbox.host.speech import release_all as release_speech
 from pie.sandbox.wasm import record
 
 PROGRAM_INBOX = (
@@ -243,6 +244,7 @@ class InferletActor(Actor):
             state.runs.cancel_all()
             state.grammar.close_all()
             release_media(state)
+            release_speech(state)
         try:
             done(outcome)
         except trio.RunFinishedError:

@@ -5,7 +5,8 @@ decoder picks the others, and the Mimi decoder turns the frames into audio.
 The interface of a speaking model: `speaks = True`; `voices()` the speaker ids it accepts;
 `prompt_ids(text, speaker, tokenize)` the prompt CsmProcessor's chat template builds for one
 text-only turn (`<bos>[speaker]text<eos>`, tokenized as one string, no special tokens added);
-`speak(token_ids, max_frames, greedy)` -> (codes [frames, num_codebooks] int64, SpeechClip).
+`speak(token_ids, max_frames, greedy)` -> (codes [frames, num_codebooks] int64, SpeechClip), or
+the same loop as an `Utterance` (`utterance(...)`) stepped one frame at a time, then `to_speech`.
 
 How `speak`'s loop maps onto engine passes (it runs here with its own dense attention for now):
 1. The prompt is one ordinary prefill pass of the backbone (`forward` over text tokens); the last
@@ -282,25 +283,40 @@ class CsmForConditionalGeneration(CausalLM):
     ) -> tuple[torch.Tensor, SpeechClip]:
         """Speech for a prompt (`prompt_ids`): codes [frames, num_codebooks] int64 on the CPU
         and the decoded clip. Not greedy: `sampling`, by default FrameSampling(greedy=False)."""
+        utterance = self.utterance(token_ids, max_frames, greedy, sampling)
+        while not utterance.step():
+            pass
+        codes = utterance.codes()
+        return codes, self.to_speech(codes)
+
+    def utterance(
+        self,
+        token_ids: Sequence[int],
+        max_frames: int,
+        greedy: bool = True,
+        sampling: FrameSampling | None = None,
+    ) -> Utterance:
+        """`speak`'s loop as a state to step: checked here, computed by `Utterance.step`."""
         self._check_request(token_ids, max_frames)
         sampling = FrameSampling() if greedy else (sampling or FrameSampling(greedy=False))
-        device = self.lm_head.weight.device
-        cache = GrowingCache()
-        with torch.inference_mode():
-            ids = torch.tensor(list(token_ids), device=device)
-            hidden = self(ids, torch.arange(len(ids), device=device), cache)[-1]
-            frames = [self._frame(hidden, sampling)]
-            while len(frames) < max_frames and not self._ends_speech(frames[-1]):
-                hidden = self._frame_pass(frames[-1], len(ids) + len(frames) - 1, cache)
-                frames.append(self._frame(hidden, sampling))
-            codes = torch.stack(frames).cpu()
-        return codes, self.to_speech(codes)
+        return Utterance(self, list(token_ids), max_frames, sampling)
+
+    @property
+    def frame_rate(self) -> float:
+        """Code frames a second of audio."""
+        return self.codec_model.config.code_frame_rate
+
+    @property
+    def max_positions(self) -> int:
+        """Prompt tokens and frames one utterance may hold together."""
+        return self.config.max_position_embeddings
 
     def to_speech(self, codes: torch.Tensor) -> SpeechClip:
         """The clip of codes [frames, num_codebooks], up to the first all-eos frame."""
         ended = (codes == self.codebook_eos_token_id).all(dim=1).nonzero()
         kept = codes[: int(ended[0, 0])] if len(ended) else codes
-        samples = self.codec_model.decode(kept.to(self.lm_head.weight.device))
+        with torch.inference_mode():
+            samples = self.codec_model.decode(kept.to(self.lm_head.weight.device))
         rate = self.codec_model.config.sampling_rate
         return SpeechClip(samples=samples.cpu().numpy(), sample_rate=rate)
 
@@ -336,6 +352,50 @@ class CsmForConditionalGeneration(CausalLM):
         if len(token_ids) + max_frames > limit:
             total = f"{len(token_ids)} prompt tokens + {max_frames} frames"
             raise ValueError(f"csm: {total} exceed {limit} positions")
+
+
+class Utterance:
+    """One request's speech in progress, stepped a bounded amount at a time: the first `step`
+    runs the prompt and picks frame 0, each later one picks one more frame. It holds its own
+    KV (a GrowingCache), dropped with it."""
+
+    def __init__(
+        self,
+        model: CsmForConditionalGeneration,
+        token_ids: list[int],
+        max_frames: int,
+        sampling: FrameSampling,
+    ) -> None:
+        self.model, self.max_frames, self.sampling = model, max_frames, sampling
+        self._ids = token_ids
+        self._cache = GrowingCache()
+        self.frames: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> bool:
+        """max_frames frames, or the last one all eos."""
+        frames = self.frames
+        return bool(frames) and (
+            len(frames) >= self.max_frames or self.model._ends_speech(frames[-1])
+        )
+
+    def step(self) -> bool:
+        """Picks the next frame; whether the utterance is done."""
+        assert not self.done, "the utterance is done"
+        model, device = self.model, self.model.lm_head.weight.device
+        with torch.inference_mode():
+            if not self.frames:
+                ids = torch.tensor(self._ids, device=device)
+                hidden = model(ids, torch.arange(len(ids), device=device), self._cache)[-1]
+            else:
+                position = len(self._ids) + len(self.frames) - 1
+                hidden = model._frame_pass(self.frames[-1], position, self._cache)
+            self.frames.append(model._frame(hidden, self.sampling))
+        return self.done
+
+    def codes(self) -> torch.Tensor:
+        """The frames so far, [frames, num_codebooks] int64 on the CPU."""
+        return torch.stack(self.frames).cpu()
 
 
 def depth_config(raw: dict[str, Any]) -> ModelConfig:

@@ -22,6 +22,7 @@ from pie.sandbox.host import (
     runtime,
     serving,
     session,
+    speech,
 )
 from pie.sandbox.host.records import ModelView
 from pie.sandbox.host.state import (
@@ -37,6 +38,7 @@ INTERFACES = (
     model,
     context,
     media,
+    speech,
     forward,
     generate,
     grammar,

@@ -55,3 +55,29 @@ class MediaPort(Protocol):
 
     def place(self, key: str, start: int) -> tuple[list[int], list[int], tuple[MediaRun, ...]]:
         """The item's tokens laid out from position `start`: (tokens, positions, media runs)."""
+
+
+class SpeechPort(Protocol):
+    """A speaking model's speech requests, as the host calls use them (the engine injects the
+    pass loop's speech desk)."""
+
+    def voices(self) -> tuple[int, ...]: ...
+
+    def prompt_ids(
+        self, text: str, speaker: int, tokenize: Callable[[str], Sequence[int]]
+    ) -> list[int]: ...
+
+    def frames_for(self, seconds: float, prompt_tokens: int) -> int:
+        """Frames in `seconds` of audio that fit beside a prompt (0: none do)."""
+
+    def speak(
+        self,
+        requester: str,
+        token_ids: Sequence[int],
+        max_frames: int,
+        deliver: Callable[[Any], None],
+    ) -> None:
+        """Queues a request whose clip (or RequestFailed) goes to `deliver`; ValueError for one
+        the model refuses."""
+
+    def cancel(self, requester: str) -> None: ...

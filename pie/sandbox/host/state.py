@@ -47,6 +47,8 @@ class InstanceState:
         self.media: dict[int, tuple[int, Any]] = {}
         """Media handles: (model handle, the store's item)."""
         self.max_media = max_media
+        self.clips: dict[int, Any] = {}
+        """Speech clips (pie.media.speech.SpeechClip) by handle."""
         self.address = address
         self.user = user
         self.bridge = bridge

@@ -3,7 +3,7 @@ Write `async def main(input)` in main.py and build it with `pie build`."""
 
 from __future__ import annotations
 
-from inferlet import http, mcp, messaging, runtime, session
+from inferlet import http, mcp, messaging, runtime, session, speech
 from inferlet.context import Context
 from inferlet.errors import HostError
 from inferlet.forward import AttentionWindow, Forward, runs
@@ -22,6 +22,7 @@ from inferlet.search import (
     token_logprobs,
 )
 from inferlet.speculative import Jacobi, PromptLookup, Speculation, speculate
+from inferlet.speech import Speech, SpeechRequest
 from inferlet.watermark import Watermark
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "PromptLookup",
     "Sampler",
     "Speculation",
+    "Speech",
+    "SpeechRequest",
     "TokenScore",
     "Video",
     "Watermark",
@@ -58,5 +61,6 @@ __all__ = [
     "score_tokens",
     "session",
     "speculate",
+    "speech",
     "token_logprobs",
 ]

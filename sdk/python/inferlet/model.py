@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from wit_world.imports import model as _model
 
 from inferlet.errors import call
+from inferlet.speech import SpeechRequest
 
 Message = Mapping[str, str]
 """A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": text}."""
@@ -78,6 +79,11 @@ class Model:
         the assistant's turn."""
         wit = [_model.Message(role=m["role"], content=m["content"]) for m in messages]
         return call(_model.format_chat, self.handle, wit, cue)
+
+    def speak(self, text: str) -> SpeechRequest:
+        """A request for speech (a model whose `outputs` hold "speech"): chain `.speaker(voice)`
+        and `.max_duration(seconds)`, then `await .generate()` for a `Speech`."""
+        return SpeechRequest(self, text)
 
     def __repr__(self) -> str:
         return f"Model({self.name!r})"
