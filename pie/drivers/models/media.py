@@ -142,6 +142,9 @@ class MediaTowers:
     """The media this model reads (a subset of MODALITIES), from its config."""
     processor: Mapping[str, Any] = {}
     """The checkpoint's preprocessor_config.json (empty when it has none); set by the loader."""
+    video_processor: Mapping[str, Any] | None = None
+    """Its video_preprocessor_config.json (None when it has none: video then takes the
+    preprocessor's settings); set by the loader."""
 
     @property
     def audio_rate(self) -> int:
