@@ -54,6 +54,8 @@ class MediaConfig:
     max_items_per_inferlet: int = field(default=64, validator=at_least(1))
     """Images, videos and clips one program may hold at once (each holds its decoded and
     prepared form until it is freed or the program ends)."""
+    max_items_per_user: int = field(default=256, validator=at_least(1))
+    """Images, videos and clips all of one user's programs may hold at once on one model."""
     encoder_cache_mb: int = field(default=256, validator=at_least(1))
     """Encoder outputs kept per model, by content hash, so that the same media in forks,
     snapshots and later requests is not encoded again; the least recently used go first."""

@@ -17,6 +17,9 @@ from pie.drivers.models.media import MediaRows, MediaTowers, PreparedMedia, plac
 from pie.events.forward import MediaRun
 from pie.media import MediaError, MediaTooLarge, decode_audio, decode_image, decode_video
 
+MediaSource = tuple[str, int | None, bytes]
+"""(kind, max_frames, encoded bytes)."""
+
 TOWERS = {"image": "vision", "video": "vision", "audio": "audio"}
 """The tower each kind of media needs, for refusals that name it."""
 
@@ -37,6 +40,8 @@ class MediaItem:
     prepared: PreparedMedia
     rope_index: torch.Tensor
     """[soft_count, 3]: each soft token's (t, h, w) index, in encoder-output order."""
+    source: MediaSource
+    """What `MediaStore.add` rebuilds the identical item (and key) from."""
 
 
 class MediaStore:
@@ -61,6 +66,7 @@ class MediaStore:
         self._lock = threading.Lock()
         self._items: dict[str, MediaItem] = {}
         self._holders: collections.Counter[str] = collections.Counter()
+        self._per_user: collections.Counter[str] = collections.Counter()
         self._encoded: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._encoded_bytes = 0
         self.encodes = 0
@@ -71,8 +77,11 @@ class MediaStore:
     def chat_placeholders(self) -> Mapping[str, str]:
         return self.model.chat_placeholders
 
-    def add(self, kind: str, data: bytes, max_frames: int | None = None) -> MediaItem:
-        """Decodes and prepares `data` as `kind` for this model, held until `release`."""
+    def add(
+        self, kind: str, data: bytes, max_frames: int | None = None, *, user: str | None = None
+    ) -> MediaItem:
+        """Decodes and prepares `data` as `kind` for this model, held until `release`; a hold
+        for a `user` counts toward [media] max_items_per_user."""
         if kind not in self.model.modalities:
             reads = ", ".join(sorted(self.model.modalities)) or "text only"
             raise MediaRefused(
@@ -80,6 +89,50 @@ class MediaStore:
                 f"model {self.name!r} has no {TOWERS.get(kind, kind)} tower for {kind} "
                 f"(it reads {reads})",
             )
+        self._count_in(user)
+        try:
+            return self._hold(kind, data, max_frames)
+        except BaseException:
+            self._count_out(user)
+            raise
+
+    def release(self, key: str, *, user: str | None = None) -> None:
+        """One holder of `key` (counted for `user`, if given) lets go; the prepared item goes
+        with the last (its encoder output stays cached)."""
+        self._count_out(user)
+        with self._lock:
+            self._holders[key] -= 1
+            if self._holders[key] <= 0:
+                del self._holders[key]
+                self._items.pop(key, None)
+
+    def held_by(self, user: str) -> int:
+        """Holds `user`'s programs have on this model's media."""
+        with self._lock:
+            return self._per_user[user]
+
+    def _count_in(self, user: str | None) -> None:
+        if user is None:
+            return
+        limit = self._limits.max_items_per_user
+        with self._lock:
+            if self._per_user[user] >= limit:
+                raise MediaRefused(
+                    "quota",
+                    f"user {user!r} already holds {limit} media items on model {self.name!r}; "
+                    "free one first (media.max_items_per_user)",
+                )
+            self._per_user[user] += 1
+
+    def _count_out(self, user: str | None) -> None:
+        if user is None:
+            return
+        with self._lock:
+            self._per_user[user] -= 1
+            if self._per_user[user] <= 0:
+                del self._per_user[user]
+
+    def _hold(self, kind: str, data: bytes, max_frames: int | None) -> MediaItem:
         key = _key(kind, data, max_frames)
         with self._lock:
             item = self._items.get(key)
@@ -92,21 +145,18 @@ class MediaStore:
             self._holders[key] += 1
         return item
 
-    def release(self, key: str) -> None:
-        """One holder of `key` lets go; the prepared item goes with the last (its encoder
-        output stays cached)."""
-        with self._lock:
-            self._holders[key] -= 1
-            if self._holders[key] <= 0:
-                del self._holders[key]
-                self._items.pop(key, None)
-
     def item(self, key: str) -> MediaItem:
         with self._lock:
             item = self._items.get(key)
         if item is None:
             raise MediaRefused("unknown-media", f"no media {key[:16]} is held for this model")
         return item
+
+    def source(self, key: str) -> MediaSource | None:
+        """What the held item `key` was added from (None when no program holds it)."""
+        with self._lock:
+            item = self._items.get(key)
+        return None if item is None else item.source
 
     def rows(
         self, runs: Sequence[tuple[int, MediaRun]], device: torch.device, dtype: torch.dtype
@@ -180,7 +230,12 @@ class MediaStore:
         except ValueError as exc:
             raise MediaRefused("bad-media", str(exc)) from None
         placed = place_span(prepared.span, 0)
-        return MediaItem(key=key, prepared=prepared, rope_index=placed.rope_index)
+        return MediaItem(
+            key=key,
+            prepared=prepared,
+            rope_index=placed.rope_index,
+            source=(kind, max_frames, data),
+        )
 
     def _decoded(self, kind: str, data: bytes, max_frames: int | None) -> object:
         try:

@@ -103,7 +103,9 @@ def build_stack(
         model=info.model_name,
         elsewhere=elsewhere,
     )
-    kv = KvActor(core, router, _store(config, index, info.model_name), address=kv_address)
+    store = _store(config, index, info.model_name)
+    media = getattr(driver, "media", None)
+    kv = KvActor(core, router, store, address=kv_address, media=media)
     inference: list[InferenceActor] = []
     lanes = Lanes(
         page_size=info.page_size,

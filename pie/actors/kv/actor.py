@@ -1,5 +1,6 @@
 """The kv actor's shell: the pure core's replies, held back until the named snapshots they
-change are kept on disk (when a store is given), and the rebuilding of kept snapshots at start."""
+change are kept on disk (when a store is given), and the rebuilding of kept snapshots at start,
+their media added back to the model's media store first."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import trio
 
 from pie.actors.kv.core import KvCore
 from pie.actors.kv.durable import SnapshotRecord, SnapshotStore
+from pie.actors.kv.media_blobs import MediaHolder, MediaSource
 from pie.actors.requester import Requester, RequestRefused
 from pie.actors.runtime import CoreActor, Router
 from pie.events import kv as ev
+from pie.events.forward import split_media
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +24,8 @@ Outputs = list[tuple[str, Any]]
 
 class KvActor(CoreActor):
     """Without a store, the core's replies go out as they are: snapshots live until the process
-    ends. With one, a save is answered after its record is fsync'd, and a delete, a take or a
-    drop after its records are gone."""
+    ends. With one, a save is answered after its record (and the encoded media it names, from
+    `media`) is fsync'd, and a delete, a take or a drop after its records are gone."""
 
     core: KvCore
 
@@ -33,9 +36,11 @@ class KvActor(CoreActor):
         store: SnapshotStore | None = None,
         *,
         address: str = "kv",
+        media: MediaHolder | None = None,
     ) -> None:
         super().__init__(core, address, router)
         self.store = store
+        self.media = media
 
     async def handle(self, event: Any) -> None:
         outputs = self.core.handle(event)
@@ -47,15 +52,19 @@ class KvActor(CoreActor):
         match event:
             case ev.SaveContext(user=user, name=name):
                 snapshot = self.core.snapshots[(user, name)]
-                if snapshot.media_runs:
+                sources = self._sources({run.media for run in snapshot.media_runs})
+                if sources is None:
                     log.warning(
-                        "named snapshots: %r of %r holds media and is kept in memory only",
+                        "named snapshots: %r of %r holds media no program holds now and is "
+                        "kept in memory only",
                         name,
                         user,
                     )
                     return outputs
                 record = SnapshotRecord.of(user, name, snapshot)
                 try:
+                    if sources:
+                        await trio.to_thread.run_sync(store.keep_media, sources)
                     await trio.to_thread.run_sync(store.write, record)
                 except OSError as exc:
                     return self._unsave(event, exc)
@@ -67,6 +76,15 @@ class KvActor(CoreActor):
             case ev.DropSnapshots(user=user):
                 await _logged(store.drop, user)
         return outputs
+
+    def _sources(self, keys: set[str]) -> dict[str, MediaSource] | None:
+        """What each medium was added from, or None when one is no longer held."""
+        if not keys:
+            return {}
+        found = {} if self.media is None else {key: self.media.source(key) for key in keys}
+        if len(found) < len(keys) or None in found.values():
+            return None
+        return {key: source for key, source in found.items() if source is not None}
 
     def _unsave(self, event: ev.SaveContext, exc: OSError) -> Outputs:
         """A snapshot that could not be kept is not kept in memory either: a save is answered
@@ -90,6 +108,16 @@ class KvActor(CoreActor):
         rebuilt = 0
         for record in records:
             try:
+                keys = await self._hold_media(self.store, record)
+            except (OSError, ValueError) as err:
+                log.warning(
+                    "named snapshots: %r of %r not rebuilt (its media: %s)",
+                    record.name,
+                    record.user,
+                    err,
+                )
+                continue
+            try:
                 await rebuild(requester, record)
             except RequestRefused as err:
                 log.warning(
@@ -97,21 +125,58 @@ class KvActor(CoreActor):
                 )
             else:
                 rebuilt += 1
+            finally:
+                self._release(keys)
         return rebuilt
+
+    async def _hold_media(self, store: SnapshotStore, record: SnapshotRecord) -> list[str]:
+        """Adds the media `record` names back to the model's media store, each identical to
+        the one it was saved from (the same key); the keys held."""
+        keys = sorted({run.media for run in record.media})
+        if keys and self.media is None:
+            raise ValueError("this model takes no media")
+        held: list[str] = []
+        try:
+            for key in keys:
+                kind, max_frames, data = await trio.to_thread.run_sync(store.media.read, key)
+                item = await trio.to_thread.run_sync(self._add, kind, data, max_frames)
+                held.append(item.key)
+                if item.key != key:
+                    raise ValueError(f"media {key} does not rebuild the same item")
+        except BaseException:
+            self._release(held)
+            raise
+        return held
+
+    def _add(self, kind: str, data: bytes, max_frames: int | None) -> Any:
+        assert self.media is not None
+        return self.media.add(kind, data, max_frames)
+
+    def _release(self, keys: list[str]) -> None:
+        for key in keys:
+            assert self.media is not None
+            self.media.release(key)
 
 
 async def rebuild(requester: Requester, record: SnapshotRecord) -> None:
     """Saves `record`'s snapshot again: its tokens at their positions, one pass per run of
-    tokens through the adapter they ran through and under the attention masks they ran under
-    (the scheduler chunks a long one), then its masked and released pages, on a context
-    destroyed afterwards. The tokens go in from an empty context in order, so each lands at
-    the kv slot it had and its recorded mask, over the slots up to its own, applies as it was."""
+    tokens through the adapter they ran through, under the attention masks they ran under and
+    with the media their soft tokens came from (the scheduler chunks a long one), then its
+    masked and released pages, on a context destroyed afterwards. The tokens go in from an
+    empty context in order, so each lands at the kv slot it had and its recorded mask, over the
+    slots up to its own, applies as it was."""
     context = await requester.create_context(user=record.user)
     try:
         for start, end, adapter, masks in record.segments():
-            tokens, positions = record.tokens[start:end], record.positions[start:end]
-            await requester.forward(
-                context, tokens, positions=positions, attention_masks=masks, adapter=adapter
+            await requester.call(
+                requester.kv,
+                ev.SubmitForward,
+                context=context,
+                tokens=record.tokens[start:end],
+                positions=record.positions[start:end],
+                attention_masks=masks,
+                adapter=adapter,
+                media=split_media(record.media, start, end),
             )
         if record.masked:
             await requester.mask_pages(context, record.masked)

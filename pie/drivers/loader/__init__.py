@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 from attrs import frozen
@@ -49,10 +50,19 @@ def fill_weights(loaded: LoadedModel, skip: Collection[tuple[str, str | int | No
     """Copies the checkpoint's weights in and sets eval mode; the (parameter, shard) pairs in
     `skip` are neither read nor written: the caller supplies those layers itself."""
     load_safetensors(loaded.model, loaded.path, skip)
-    processor = loaded.path / "preprocessor_config.json"
-    if isinstance(loaded.model, MediaTowers) and processor.is_file():
-        loaded.model.processor = json.loads(processor.read_text())
+    if isinstance(loaded.model, MediaTowers):
+        processor = _settings(loaded.path / "preprocessor_config.json")
+        loaded.model.processor = {} if processor is None else processor
+        loaded.model.video_processor = _settings(loaded.path / "video_preprocessor_config.json")
     loaded.model.eval()
+
+
+def _settings(path: Path) -> dict[str, Any] | None:
+    """A processor's settings file, None when the checkpoint has none."""
+    if not path.is_file():
+        return None
+    settings: dict[str, Any] = json.loads(path.read_text())
+    return settings
 
 
 def load_model(spec: str | None, dtype: torch.dtype, device: str) -> LoadedModel:

@@ -145,6 +145,9 @@ class MediaTowers:
     chat_placeholders: Mapping[str, str] = {}
     """Per kind of media, the text the model's chat template renders for a medium of that kind
     (a content part `{"type": kind}`); the medium's span takes its place, delimiters included."""
+    video_processor: Mapping[str, Any] | None = None
+    """Its video_preprocessor_config.json (None when it has none: video then takes the
+    preprocessor's settings); set by the loader."""
 
     @property
     def audio_rate(self) -> int:

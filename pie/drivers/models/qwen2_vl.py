@@ -176,24 +176,29 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM, MediaTowers):
         )
 
     def patches(self, kind: str, decoded: Any) -> VisionPatches:
-        settings = self.vision_settings()
+        settings = self.vision_settings(kind)
         if kind == "image":
             return preprocess_image(decoded.pixels, settings)
         return preprocess_video([frame.pixels for frame in decoded.frames], settings)
 
-    def vision_settings(self) -> Qwen2VLVision:
-        """The processor's settings; its patch sizes, where it states them, must be the tower's."""
+    def vision_settings(self, kind: str = "image") -> Qwen2VLVision:
+        """The processor's settings for `kind` (video: the video processor's, where the
+        checkpoint has one); its patch sizes, where it states them, must be the tower's."""
         tower = self.visual.config
         sizes = {
             "patch_size": tower.patch_size,
             "temporal_patch_size": tower.temporal_patch_size,
             "merge_size": tower.merge_size,
         }
-        settings = Qwen2VLVision.from_preprocessor_config({**sizes, **self.processor})
+        video = kind == "video" and self.video_processor is not None
+        given = self.video_processor if video else self.processor
+        assert given is not None
+        settings = Qwen2VLVision.from_preprocessor_config({**sizes, **given})
         mismatched = {k: v for k, v in sizes.items() if getattr(settings, k) != v}
         if mismatched:
+            name = "video_preprocessor_config.json" if video else "preprocessor_config.json"
             raise ValueError(
-                f"{self.config.model_type}: preprocessor_config.json disagrees with the vision "
+                f"{self.config.model_type}: {name} disagrees with the vision "
                 f"tower on {sorted(mismatched)} (tower: {mismatched})"
             )
         return settings

@@ -9,8 +9,11 @@ from wasmtime.component import LinkerInstance, Variant
 
 from pie.events import kv as ev
 from pie.events import sampling as s
+from pie.events.forward import MediaRun
 from pie.events.speculation import LaneBusy
-from pie.sandbox.host.state import HostFailure, current, host_call
+from pie.sandbox.host.media import anchored_media, laid_out
+from pie.sandbox.host.ports import FastPath
+from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
 from pie.sandbox.wasm import add_host_func, record
 
 INTERFACE = "pie:inferlet/forward@0.1.0"
@@ -85,7 +88,8 @@ def attention_window(given: Any) -> ev.AttentionWindow | None:
 
 def execute(pass_: Any) -> int:
     state = current()
-    state.runs.forbid(pass_.context)
+    context = pass_.context
+    state.runs.forbid(context)
     positions = _get(pass_, "positions")
     masks = _get(pass_, "attention-masks")
     logit_mask = _get(pass_, "logit-mask")
@@ -93,32 +97,32 @@ def execute(pass_: Any) -> int:
     penalty = _penalty(_get(pass_, "penalty"))
     window = attention_window(_get(pass_, "window"))
     adapter: str | None = _get(pass_, "adapter")
+    inputs = [(given.media, given.anchor) for given in _get(pass_, "media")]
     tokens = tuple(pass_.tokens)
     slots = _slots(pass_.slots)
     positions = None if positions is None else tuple(positions)
-    view = state.model_of(pass_.context)
+    view = state.model_of(context)
     lanes = view.lanes
-    if lanes is not None:
-        context = pass_.context
-        try:
-            plain = masks is None and logit_mask is None and not bias and penalty is None
-            # A window releases pages as the pass is placed: only the kv actor does that.
-            if plain and window is None:
-                corr = state.next_corr()
-                handle, fill = state.expect("forward")
-                if lanes.submit(
-                    context, state.address, corr, tokens, positions, slots, fill, adapter=adapter
-                ):
-                    return handle
-                state.discard(handle)
-            else:
-                lanes.close(context, state.address)
-        except LaneBusy as busy:
-            raise HostFailure("busy", str(busy)) from None
+    runs: tuple[MediaRun, ...] = ()
+    # A window releases pages as the pass is placed and media need their spans laid out:
+    # only the kv actor does either.
+    plain = masks is None and logit_mask is None and not bias and penalty is None
+    if inputs:
+        if positions is not None:
+            raise HostFailure("invalid", "a pass with media takes no positions")
+        anchored = anchored_media(context, len(tokens), inputs)
+        _off_lanes(state, context)
+        tokens, positions, runs = laid_out(context, tokens, anchored)
+    elif lanes is not None and plain and window is None:
+        handle = _on_lane(state, lanes, context, tokens, positions, slots, adapter)
+        if handle is not None:
+            return handle
+    else:
+        _off_lanes(state, context)
     event = ev.SubmitForward(
         corr=state.next_corr(),
         requester=state.address,
-        context=pass_.context,
+        context=context,
         tokens=tokens,
         positions=positions,
         attention_masks=None if masks is None else tuple(tuple(m) for m in masks),
@@ -126,11 +130,53 @@ def execute(pass_: Any) -> int:
         logit_bias=bias,
         penalty=penalty,
         slots=slots,
-        fast=lanes is not None,
+        fast=lanes is not None and not runs,
         window=window,
         adapter=adapter,
+        media=runs,
     )
     return state.submit(view.kv, event, "forward")
+
+
+def _on_lane(
+    state: InstanceState,
+    lanes: FastPath,
+    context: int,
+    tokens: tuple[int, ...],
+    positions: tuple[int, ...] | None,
+    slots: tuple[s.SamplingSlot, ...],
+    adapter: str | None,
+) -> int | None:
+    """The pollable of a plain pass the fast path took, or None when it did not."""
+    handle, fill = state.expect("forward")
+    try:
+        taken = lanes.submit(
+            context,
+            state.address,
+            state.next_corr(),
+            tokens,
+            positions,
+            slots,
+            fill,
+            adapter=adapter,
+        )
+    except LaneBusy as busy:
+        state.discard(handle)
+        raise HostFailure("busy", str(busy)) from None
+    if taken:
+        return handle
+    state.discard(handle)
+    return None
+
+
+def _off_lanes(state: InstanceState, context: int) -> None:
+    lanes = state.model_of(context).lanes
+    if lanes is None:
+        return
+    try:
+        lanes.close(context, state.address)
+    except LaneBusy as busy:
+        raise HostFailure("busy", str(busy)) from None
 
 
 def _output(out: s.SlotOutput) -> Variant:

@@ -1,15 +1,19 @@
 """The `media` interface: images, video and audio from encoded bytes, decoded and prepared by
-the model's media store on the guest thread, held per instance within a bound, and appended to
-a context in one pass through the context's kv actor."""
+the model's media store on the guest thread, held within a per-instance and a per-user bound,
+and laid out in a pass (appended alone, or among a forward pass's tokens) for the kv actor."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import attrs
 from wasmtime.component import LinkerInstance
 
 from pie.events import kv as ev
+from pie.events.forward import MediaRun
 from pie.sandbox.host.model import model_view
+from pie.sandbox.host.records import ModelView
 from pie.sandbox.host.state import HostFailure, InstanceState, current, host_call
 from pie.sandbox.wasm import add_host_func, record
 
@@ -28,10 +32,12 @@ def _add(model: int, kind: str, data: bytes, max_frames: int | None) -> int:
         )
     if len(state.media) >= state.max_media:
         raise HostFailure(
-            "quota", f"{len(state.media)} media items held; free one first (max_items_per_inferlet)"
+            "quota",
+            f"this inferlet already holds {state.max_media} media items; free one first "
+            "(media.max_items_per_inferlet)",
         )
     try:
-        item = view.media.add(kind, bytes(data), max_frames)
+        item = view.media.add(kind, bytes(data), max_frames, user=state.user)
     except ValueError as exc:
         raise HostFailure(getattr(exc, "kind", "bad-media"), str(exc)) from None
     handle = state.new_handle()
@@ -76,39 +82,96 @@ def free(handle: int) -> None:
     del state.media[handle]
     media = model_view(model).media
     assert media is not None
-    media.release(item.key)
+    media.release(item.key, user=state.user)
 
 
 def append(ctx: int, handle: int) -> int:
     """Submits the media's span as one pass at the context's next position."""
     state = current()
-    model, item = _held(state, handle)
+    anchored = anchored_media(ctx, 0, [(handle, 0)])
+    from pie.sandbox.host.context import changing
+
+    changing(ctx)
+    tokens, positions, runs = laid_out(ctx, (), anchored)
+    event = ev.SubmitForward(
+        corr=state.next_corr(),
+        requester=state.address,
+        context=ctx,
+        tokens=tokens,
+        positions=positions,
+        media=runs,
+    )
+    return state.submit(state.model_of(ctx).kv, event, "forward")
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[MediaRun, ...]]
+Anchored = list[tuple[int, str]]
+
+
+def anchored_media(ctx: int, count: int, inputs: Sequence[tuple[int, int]]) -> Anchored:
+    """(anchor, media key) for each (media handle, anchor) a pass of `count` tokens into `ctx`
+    names, checked and in anchor order (equal anchors keep their order)."""
+    state = current()
     view = state.model_of(ctx)
+    anchored = [
+        (_anchor(i, anchor, count), _key_for(state, view, handle))
+        for i, (handle, anchor) in enumerate(inputs)
+    ]
+    return sorted(anchored, key=lambda pair: pair[0])
+
+
+def laid_out(ctx: int, tokens: Sequence[int], anchored: Anchored) -> Layout:
+    """A pass's input with each (anchor, media key)'s span inserted just before input token
+    `anchor`, laid out from the context's next position: (tokens, positions, media runs)."""
+    state = current()
+    view = state.model_of(ctx)
+    assert view.media is not None
+    out_tokens: list[int] = []
+    positions: list[int] = []
+    runs: list[MediaRun] = []
+    at, done = _next_position(state, view.kv, ctx), 0
+    for anchor, key in anchored:
+        text = tokens[done:anchor]
+        out_tokens.extend(text)
+        positions.extend(range(at, at + len(text)))
+        span, span_positions, span_runs = view.media.place(key, at + len(text))
+        runs.extend(attrs.evolve(run, index=len(out_tokens) + run.index) for run in span_runs)
+        out_tokens.extend(span)
+        positions.extend(span_positions)
+        # What follows continues after the span's last position, as the kv actor continues
+        # after an appended medium (spans end in a delimiter placed past their largest index).
+        at, done = span_positions[-1] + 1, anchor
+    out_tokens.extend(tokens[done:])
+    positions.extend(range(at, at + len(tokens) - done))
+    return tuple(out_tokens), tuple(positions), tuple(runs)
+
+
+def _anchor(index: int, anchor: int, count: int) -> int:
+    if not 0 <= anchor <= count:
+        raise HostFailure(
+            "invalid", f"media[{index}].anchor is {anchor}, outside 0..{count} (the pass's tokens)"
+        )
+    return anchor
+
+
+def _key_for(state: InstanceState, view: ModelView, handle: int) -> str:
+    """The key of the media `handle` holds, if it was prepared for `view`'s model."""
+    model, item = _held(state, handle)
     if view is not model_view(model):
         raise HostFailure(
             "wrong-model",
             f"media prepared for model {model_view(model).name!r} cannot go into a context of "
             f"model {view.name!r}",
         )
-    from pie.sandbox.host.context import changing
+    key: str = item.key
+    return key
 
-    changing(ctx)
+
+def _next_position(state: InstanceState, kv: str, ctx: int) -> int:
     described = state.request(
-        view.kv,
-        ev.DescribeContext(corr=state.next_corr(), requester=state.address, context=ctx),
+        kv, ev.DescribeContext(corr=state.next_corr(), requester=state.address, context=ctx)
     )
-    start = described.positions[-1] + 1 if described.positions else 0
-    assert view.media is not None
-    tokens, positions, runs = view.media.place(item.key, start)
-    event = ev.SubmitForward(
-        corr=state.next_corr(),
-        requester=state.address,
-        context=ctx,
-        tokens=tuple(tokens),
-        positions=tuple(positions),
-        media=runs,
-    )
-    return state.submit(view.kv, event, "forward")
+    return described.positions[-1] + 1 if described.positions else 0
 
 
 def release_all(state: InstanceState) -> None:
@@ -116,7 +179,7 @@ def release_all(state: InstanceState) -> None:
     for model, item in state.media.values():
         media = state.models[model - 1].media
         if media is not None:
-            media.release(item.key)
+            media.release(item.key, user=state.user)
     state.media.clear()
 
 

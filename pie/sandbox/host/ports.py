@@ -43,11 +43,14 @@ class FastPath(Protocol):
 class MediaPort(Protocol):
     """A model's media store, as the host calls use it (the engine injects the driver's)."""
 
-    def add(self, kind: str, data: bytes, max_frames: int | None = None) -> Any:
+    def add(
+        self, kind: str, data: bytes, max_frames: int | None = None, *, user: str | None = None
+    ) -> Any:
         """Decodes and prepares `data`; an item with `key` and `prepared` (kind, grid,
-        token_count, soft_count). Raises an error with a `kind` word for media it refuses."""
+        token_count, soft_count). Raises an error with a `kind` word for media it refuses
+        (`quota` past `user`'s bound)."""
 
-    def release(self, key: str) -> None: ...
+    def release(self, key: str, *, user: str | None = None) -> None: ...
 
     @property
     def chat_placeholders(self) -> Mapping[str, str]:

@@ -395,4 +395,5 @@ def _pass(
         penalty=None,
         window=None,
         adapter=adapter,
+        media=[],
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wit_world.imports import forward as fw
 
@@ -79,6 +79,7 @@ class Forward:
         self._slots: list[fw.Slot] = []
         self._window: AttentionWindow | None = None
         self._adapter: str | None = context.adapter
+        self._media: list[fw.MediaInput] = []
         self._done = False
 
     def input(self, tokens: Sequence[int], positions: Sequence[int] | None = None) -> Forward:
@@ -88,10 +89,33 @@ class Forward:
         if positions is None and self._positions is not None:
             raise ValueError("give positions for every input once any input has them")
         if positions is not None:
+            if self._media:
+                raise ValueError("a pass with media takes no positions")
             if self._tokens and self._positions is None:
                 raise ValueError("give positions for every input once any input has them")
             self._positions = (self._positions or []) + list(positions)
         self._tokens.extend(tokens)
+        return self
+
+    def input_image(self, image: Any, anchor: int | None = None) -> Forward:
+        """Puts an `inferlet.Image`'s whole span (delimiters and soft tokens) into the input
+        just before input token `anchor` (default: after the tokens given so far). Slot indices
+        and attention masks then count the span's tokens too (`image.token_count()`)."""
+        return self._input_media(image, anchor)
+
+    def input_video(self, video: Any, anchor: int | None = None) -> Forward:
+        """As `input_image`, for an `inferlet.Video`."""
+        return self._input_media(video, anchor)
+
+    def input_audio(self, clip: Any, anchor: int | None = None) -> Forward:
+        """As `input_image`, for an `inferlet.Audio`."""
+        return self._input_media(clip, anchor)
+
+    def _input_media(self, item: Any, anchor: int | None) -> Forward:
+        if self._positions is not None:
+            raise ValueError("a pass with media takes no positions")
+        at = len(self._tokens) if anchor is None else anchor
+        self._media.append(fw.MediaInput(media=item.handle, anchor=at))
         return self
 
     def attention_mask(self, masks: Sequence[Sequence[int]]) -> Forward:
@@ -135,8 +159,8 @@ class Forward:
     async def execute(self) -> list[SlotResult]:
         if self._done:
             raise RuntimeError("this forward pass was already executed")
-        if not self._tokens:
-            raise ValueError("a forward pass needs at least one input token")
+        if not self._tokens and not self._media:
+            raise ValueError("a forward pass needs at least one input token or medium")
         self._done = True
         pass_ = fw.ForwardPass(
             context=self._context.handle,
@@ -149,6 +173,17 @@ class Forward:
             penalty=None,
             window=None if self._window is None else self._window.wit(),
             adapter=self._adapter,
+            media=self._media,
         )
-        outputs = await self._context._run_own(pass_)
+        run = self._run_with_media if self._media else self._context._run_own
+        outputs = await run(pass_)
         return [slot_result(out) for out in outputs]
+
+    async def _run_with_media(self, pass_: fw.ForwardPass) -> list[fw.SlotOutput]:
+        """Runs a pass whose last written token the program does not know (a span's tokens
+        are the engine's)."""
+        self._context.acquire()
+        try:
+            return await run_pass(pass_)
+        finally:
+            self._context.release(None)

@@ -266,6 +266,7 @@ class Generation:
                 self._penalty(),
                 self._window,
                 self._adapter,
+                [],
             )
             token = (await run_pass(pass_))[0].value
             assert isinstance(token, int)

@@ -46,7 +46,17 @@ async def score_tokens(prefix: Context, tokens: list[int], top: int = 0) -> list
             if top:
                 slots.append(fw.Slot(start + i, Probe.distribution(top).slot_op()))
         pass_ = fw.ForwardPass(
-            probe.handle, feed + tokens[:-1], None, None, None, slots, [], None, None, probe.adapter
+            probe.handle,
+            feed + tokens[:-1],
+            None,
+            None,
+            None,
+            slots,
+            [],
+            None,
+            None,
+            probe.adapter,
+            [],
         )
         outputs = [slot_result(out) for out in await run_pass(pass_)]
     finally:
@@ -207,7 +217,17 @@ async def _distribution(beam: Beam, probe: fw.SlotOp) -> Distribution:
     slot = fw.Slot(len(beam.feed) - 1, probe)
     (out,) = await run_pass(
         fw.ForwardPass(
-            beam.ctx.handle, beam.feed, None, None, None, [slot], [], None, None, beam.ctx.adapter
+            beam.ctx.handle,
+            beam.feed,
+            None,
+            None,
+            None,
+            [slot],
+            [],
+            None,
+            None,
+            beam.ctx.adapter,
+            [],
         )
     )
     result = slot_result(out)

@@ -184,7 +184,7 @@ class _Speculator:
         ]
         outputs = await run_pass(
             fw.ForwardPass(
-                self.ctx.handle, feed, None, None, None, slots, [], None, None, self.ctx.adapter
+                self.ctx.handle, feed, None, None, None, slots, [], None, None, self.ctx.adapter, []
             )
         )
         self.result.passes += 1
