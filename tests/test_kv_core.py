@@ -174,6 +174,19 @@ def test_explicit_positions_are_kept_and_continued() -> None:
     assert kv.submit(context, [3]).positions == (21,)
 
 
+def test_a_token_cut_and_written_again_keeps_its_position() -> None:
+    """Positions may jump (text after a medium's span); a truncation rewinds to the first cut
+    token's position, for the next write only."""
+    kv = Kv()
+    context = kv.create()
+    kv.apply(kv.submit(context, [1, 2, 3], positions=(0, 1, 7)))
+    kv.ok(ev.TruncateContext, context=context, count=1)
+    assert kv.describe(context).next_position == 7
+    kv.apply(kv.submit(context, [3]))
+    assert kv.describe(context).positions == (0, 1, 7)
+    assert kv.submit(context, [4]).positions == (8,)
+
+
 def test_fork_shares_every_page_and_copies_none() -> None:
     kv = Kv()
     parent = kv.create()
@@ -737,6 +750,7 @@ def test_describe_reports_the_whole_context() -> None:
         context=context,
         tokens=(1, 2, 3, 4, 5),
         positions=(10, 11, 12, 13, 14),
+        next_position=15,
         pages=2,
         masked_pages=(1,),
         reserved_pages=1,

@@ -37,12 +37,12 @@ def png(seed: int, height: int, width: int) -> bytes:
     return out.getvalue()
 
 
-def hf_greedy(reference: Any, data: bytes) -> list[int]:
-    """transformers' greedy tokens after BEFORE, the picture and AFTER."""
+def hf_greedy(reference: Any, data: bytes, after: tuple[int, ...] = tuple(AFTER)) -> list[int]:
+    """transformers' greedy tokens after BEFORE, the picture and `after`."""
     pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     inputs = Qwen2VLImageProcessorPil(**PROCESSOR)(images=[pixels], return_tensors="pt")
     count = int(inputs["image_grid_thw"].prod()) // 4
-    ids = [*BEFORE, START, *[IMAGE] * count, END, *AFTER]
+    ids = [*BEFORE, START, *[IMAGE] * count, END, *after]
     tokens = torch.tensor([ids])
     with torch.inference_mode():
         out = reference.generate(
@@ -84,7 +84,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         }
     )
     expected = [hf_greedy(reference, p) for p in pictures]
-    return SimpleNamespace(config=config, pictures=pictures, expected=expected)
+    at_end = hf_greedy(reference, pictures[1], after=())
+    return SimpleNamespace(config=config, pictures=pictures, expected=expected, at_end=at_end)
 
 
 def b64(data: bytes) -> str:
@@ -159,3 +160,18 @@ async def test_media_a_model_cannot_take_is_refused_naming_it_and_the_program_go
     assert seen[3]["kind"] == "bad-media"
     assert seen[4] is None
     assert after[0]["tokens"] == tiny.expected[0]
+
+
+async def test_generation_right_after_a_picture_feeds_its_last_token_at_its_own_position(
+    tiny: SimpleNamespace,
+    built: Any,  # noqa: F811
+) -> None:
+    """Nothing queued after the picture: the generation's first pass cuts the closing delimiter
+    and writes it again, at the position it had (after the picture's largest index), not at the
+    soft tokens' last position + 1."""
+    wasm = built(GUESTS / "media_probe").read_bytes()
+    request = {"mode": "describe", "before": BEFORE, "after": [], "tokens": TOKENS}
+    async with open_engine(tiny.config) as engine:
+        program = engine.programs.add(wasm).hash
+        (seen,) = await run_json(engine, program, {**request, "images": [b64(tiny.pictures[1])]})
+    assert seen["tokens"] == tiny.at_end

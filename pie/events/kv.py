@@ -207,6 +207,8 @@ class ContextInfo:
     context: int
     tokens: tuple[int, ...]
     positions: tuple[int, ...] = field(default=())
+    next_position: int = 0
+    """The position the next token written takes."""
     pages: int = 0
     """Pages holding the context's tokens."""
     masked_pages: tuple[int, ...] = ()

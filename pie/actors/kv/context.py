@@ -53,6 +53,11 @@ class Chain:
     media_runs: list[MediaRun] = field(factory=list)
     """The chain's soft tokens (indices count from its first token): which media's encoder
     output each one's KV was computed from."""
+    resume: tuple[int, int] | None = None
+    """(length, position) after a truncation: while the chain holds `length` tokens, the next
+    token takes the first cut token's position. Positions need not follow each other (text
+    after a medium's span continues past its largest index), so a token cut and written again
+    keeps its place."""
 
     def copy(self, owner: str) -> Chain:
         """The same tokens over the same pages (the caller counts the new owner in the pool),
@@ -71,6 +76,7 @@ class Chain:
             adapter_runs=list(self.adapter_runs),
             mask_runs=list(self.mask_runs),
             media_runs=list(self.media_runs),
+            resume=self.resume,
         )
 
     def held(self) -> list[int]:
@@ -82,6 +88,8 @@ class Chain:
         return [j for j, page in enumerate(self.pages) if page == RELEASED]
 
     def next_position(self) -> int:
+        if self.resume is not None and self.resume[0] == len(self.positions):
+            return self.resume[1]
         return self.positions[-1] + 1 if self.positions else 0
 
     def state(self) -> tuple[object, ...]:
@@ -101,6 +109,7 @@ class Chain:
             tuple(self.adapter_runs),
             tuple(self.mask_runs),
             tuple(self.media_runs),
+            self.resume,
         )
 
     def run_adapter(self, start: int, adapter: str | None) -> None:

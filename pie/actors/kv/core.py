@@ -178,6 +178,8 @@ class KvCore(PassPlacement):
                 "invalid", f"cannot truncate into page {keep - 1}: its KV was released"
             )
         self._release_chain([page for page in chain.pages[keep:] if page != RELEASED])
+        if count:
+            chain.resume = (length, chain.positions[length])
         del chain.pages[keep:]
         del chain.tokens[length:]
         del chain.positions[length:]
@@ -193,6 +195,7 @@ class KvCore(PassPlacement):
             context=event.context,
             tokens=tuple(chain.tokens),
             positions=tuple(chain.positions),
+            next_position=chain.next_position(),
             pages=len(chain.held()),
             masked_pages=tuple(sorted(chain.masked)),
             released_pages=tuple(chain.released()),

@@ -40,7 +40,7 @@ def lease_for(
         owned=len(held),
         masked_pages=compact.masked(sorted(chain.masked)),
         next_slot=len(chain.tokens) - compact.shift,
-        next_position=chain.positions[-1] + 1,
+        next_position=chain.next_position(),
         op=slots[0].op,
         adapter=event.adapter,
     )

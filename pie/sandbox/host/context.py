@@ -99,12 +99,11 @@ def release_pages(ctx: int, pages: list[int]) -> None:
 
 def info(ctx: int) -> Any:
     described: ev.ContextInfo = _kv(ev.DescribeContext, context=ctx)
-    positions = described.positions
     return record(
         tokens=len(described.tokens),
         pages=described.pages + described.reserved_pages,
         reserved_pages=described.reserved_pages,
-        next_position=positions[-1] + 1 if positions else 0,
+        next_position=described.next_position,
         masked_pages=list(described.masked_pages),
         released_pages=list(described.released_pages),
     )

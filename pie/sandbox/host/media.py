@@ -171,7 +171,8 @@ def _next_position(state: InstanceState, kv: str, ctx: int) -> int:
     described = state.request(
         kv, ev.DescribeContext(corr=state.next_corr(), requester=state.address, context=ctx)
     )
-    return described.positions[-1] + 1 if described.positions else 0
+    next_position: int = described.next_position
+    return next_position
 
 
 def release_all(state: InstanceState) -> None:
