@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from inferlet import Context, Sampler, get_model, session
+from inferlet import Context, get_model, session
+from inferlet.inputs import sampler_from
 
 
 async def main(input: dict[str, Any] | str) -> str:
@@ -17,7 +18,7 @@ async def main(input: dict[str, Any] | str) -> str:
             ctx.system(request["system"])
         ctx.user(request["prompt"]).cue()
         generation = ctx.generate(
-            choose_sampler(request), max_tokens=int(request.get("max_tokens", 128))
+            sampler_from(request), max_tokens=int(request.get("max_tokens", 128))
         )
         if not request.get("stream"):
             return await generation.collect_text()
@@ -25,16 +26,3 @@ async def main(input: dict[str, Any] | str) -> str:
         async for piece in generation:
             session.send(piece)
         return generation.text
-
-
-def choose_sampler(request: dict[str, Any]) -> Sampler:
-    """Temperature 0 (the default) is greedy; otherwise nucleus when top_p < 1 is given, else
-    multinomial; `seed` makes either reproducible."""
-    temperature = float(request.get("temperature", 0.0))
-    seed = request.get("seed")
-    if temperature == 0:
-        return Sampler.argmax()
-    top_p = request.get("top_p")
-    if top_p is not None and float(top_p) < 1.0:
-        return Sampler.top_p(float(top_p), temperature=temperature, seed=seed)
-    return Sampler.multinomial(temperature=temperature, seed=seed)
