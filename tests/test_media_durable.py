@@ -6,14 +6,11 @@ same snapshot directory with the same greedy tokens as before (and transformers'
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
-from transformers import Qwen2VLForConditionalGeneration
 
 from pie.actors.kv.durable import SnapshotRecord, SnapshotStore
 from pie.config import config_from_dict
@@ -21,10 +18,8 @@ from pie.engine import open_engine
 from pie.events.forward import MediaRun
 from tests.inferlet_fixtures import GUESTS, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
-from tests.test_media_engine import png
-from tests.test_media_passes import COUNT, TOKENS, hf_greedy
-from tests.test_models_qwen2_vl import FAMILIES, PROCESSOR
-from tests.tiny_models import VOCAB, write_tiny_tokenizer
+from tests.test_media_passes import COUNT, TOKENS, greedy_at
+from tests.tiny_media import png, save_tiny_vl
 
 ANCHOR = 2
 KEY_A, KEY_B = "a" * 32, "b" * 32
@@ -83,19 +78,12 @@ def test_a_record_naming_media_by_anything_but_a_content_hash_is_refused(key: st
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("media-durable")
-    torch.manual_seed(3)
-    reference = Qwen2VLForConditionalGeneration(FAMILIES["qwen2_vl"][1]).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    reference.save_pretrained(root / "vl")
-    (root / "vl" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    write_tiny_tokenizer(root / "vl", VOCAB)
+    reference = save_tiny_vl(root / "vl", seed=3)
     picture = png(11, 56, 84)
     return SimpleNamespace(
         model=root / "vl",
         picture=base64.b64encode(picture).decode(),
-        expected=hf_greedy(reference, picture, ANCHOR),
+        expected=greedy_at(reference, picture, ANCHOR),
     )
 
 

@@ -7,55 +7,19 @@ wrong with the bytes, the program going on."""
 from __future__ import annotations
 
 import base64
-import io
-import json
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
-from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-from pie.config import config_from_dict
 from pie.engine import open_engine
 from tests.inferlet_fixtures import GUESTS, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
-from tests.test_models_qwen2_vl import END, FAMILIES, IMAGE, PROCESSOR, START
-from tests.tiny_models import VOCAB, save_tiny_model, write_tiny_tokenizer
+from tests.tiny_media import hf_greedy, png, save_tiny_vl, vl_beside_text
 
 pytestmark = pytest.mark.model
 
 BEFORE, AFTER, TOKENS = [5, 17, 40], [61, 9], 6
-
-
-def png(seed: int, height: int, width: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def hf_greedy(reference: Any, data: bytes, after: tuple[int, ...] = tuple(AFTER)) -> list[int]:
-    """transformers' greedy tokens after BEFORE, the picture and `after`."""
-    pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    inputs = Qwen2VLImageProcessorPil(**PROCESSOR)(images=[pixels], return_tensors="pt")
-    count = int(inputs["image_grid_thw"].prod()) // 4
-    ids = [*BEFORE, START, *[IMAGE] * count, END, *after]
-    tokens = torch.tensor([ids])
-    with torch.inference_mode():
-        out = reference.generate(
-            tokens,
-            mm_token_type_ids=(tokens == IMAGE).int(),
-            pixel_values=inputs["pixel_values"],
-            image_grid_thw=inputs["image_grid_thw"],
-            max_new_tokens=TOKENS,
-            min_new_tokens=TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return list(out[0, len(ids) :].tolist())
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +27,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A tiny Qwen2-VL and a tiny text-only Llama served side by side, and pictures of three
     sizes with transformers' greedy tokens after each."""
     root = tmp_path_factory.mktemp("media")
-    torch.manual_seed(0)
-    reference = Qwen2VLForConditionalGeneration(FAMILIES["qwen2_vl"][1]).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    reference.save_pretrained(root / "vl")
-    (root / "vl" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    write_tiny_tokenizer(root / "vl", VOCAB)
-    save_tiny_model(root / "text", dict(model_type="llama"))
+    reference = save_tiny_vl(root / "vl", seed=0)
+    config = vl_beside_text(root, num_pages=512)
     pictures = [png(i, *size) for i, size in enumerate([(56, 84), (84, 112), (60, 60)])]
-    common = {"dtype": "float32", "device": "cpu"}
-    config = config_from_dict(
-        {
-            "models": [
-                {"name": "vl", "path": str(root / "vl"), **common},
-                {"name": "text", "path": str(root / "text"), **common},
-            ],
-            "kv": {"num_pages": 512, "page_size": 4},
-        }
-    )
-    expected = [hf_greedy(reference, p) for p in pictures]
-    at_end = hf_greedy(reference, pictures[1], after=())
+    expected = [hf_greedy(reference, p, BEFORE, AFTER, TOKENS) for p in pictures]
+    at_end = hf_greedy(reference, pictures[1], BEFORE, [], TOKENS)
     return SimpleNamespace(config=config, pictures=pictures, expected=expected, at_end=at_end)
 
 

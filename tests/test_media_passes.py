@@ -6,24 +6,16 @@ medium, an anchor past its tokens or explicit positions is refused and the progr
 from __future__ import annotations
 
 import base64
-import io
-import json
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
-from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-from pie.config import config_from_dict
 from pie.engine import open_engine
 from tests.inferlet_fixtures import GUESTS, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
-from tests.test_media_engine import AFTER, BEFORE, png
-from tests.test_models_qwen2_vl import END, FAMILIES, IMAGE, PROCESSOR, START
-from tests.tiny_models import VOCAB, save_tiny_model, write_tiny_tokenizer
+from tests.test_media_engine import AFTER, BEFORE
+from tests.tiny_media import hf_greedy, png, save_tiny_vl, vl_beside_text
 
 pytestmark = pytest.mark.integration
 
@@ -32,24 +24,9 @@ TOKENS = BEFORE + AFTER
 ANCHORS = [len(BEFORE), 0, len(TOKENS)]
 
 
-def hf_greedy(reference: Any, data: bytes, anchor: int) -> list[int]:
+def greedy_at(reference: Any, data: bytes, anchor: int) -> list[int]:
     """transformers' greedy tokens after TOKENS with the picture before token `anchor`."""
-    pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    inputs = Qwen2VLImageProcessorPil(**PROCESSOR)(images=[pixels], return_tensors="pt")
-    span = [START, *[IMAGE] * (int(inputs["image_grid_thw"].prod()) // 4), END]
-    ids = torch.tensor([[*TOKENS[:anchor], *span, *TOKENS[anchor:]]])
-    with torch.inference_mode():
-        out = reference.generate(
-            ids,
-            mm_token_type_ids=(ids == IMAGE).int(),
-            pixel_values=inputs["pixel_values"],
-            image_grid_thw=inputs["image_grid_thw"],
-            max_new_tokens=COUNT,
-            min_new_tokens=COUNT,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return list(out[0, ids.shape[1] :].tolist())
+    return list(hf_greedy(reference, data, TOKENS[:anchor], TOKENS[anchor:], COUNT))
 
 
 @pytest.fixture(scope="module")
@@ -57,27 +34,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A tiny Qwen2-VL beside a tiny text model, two pictures, and transformers' greedy tokens
     after TOKENS with the first picture at each of ANCHORS."""
     root = tmp_path_factory.mktemp("media-passes")
-    torch.manual_seed(1)
-    reference = Qwen2VLForConditionalGeneration(FAMILIES["qwen2_vl"][1]).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    reference.save_pretrained(root / "vl")
-    (root / "vl" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    write_tiny_tokenizer(root / "vl", VOCAB)
-    save_tiny_model(root / "text", dict(model_type="llama"))
-    common = {"dtype": "float32", "device": "cpu"}
-    config = config_from_dict(
-        {
-            "models": [
-                {"name": "vl", "path": str(root / "vl"), **common},
-                {"name": "text", "path": str(root / "text"), **common},
-            ],
-            "kv": {"num_pages": 256, "page_size": 4},
-        }
-    )
+    reference = save_tiny_vl(root / "vl", seed=1)
+    config = vl_beside_text(root, num_pages=256)
     pictures = [png(7, 56, 84), png(8, 60, 60)]
-    expected = [hf_greedy(reference, pictures[0], anchor) for anchor in ANCHORS]
+    expected = [greedy_at(reference, pictures[0], anchor) for anchor in ANCHORS]
     return SimpleNamespace(config=config, pictures=pictures, expected=expected)
 
 

@@ -18,14 +18,12 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 import trio
-from transformers import Qwen2VLForConditionalGeneration
 
 from pie.cli import client as client_cli
 from pie.cli.parser import build_parser
 from pie.client import MessageTooLarge, SessionMessage, connect
-from pie.config import HttpConfig, config_from_dict
+from pie.config import HttpConfig
 from pie.engine import open_engine
 from pie.server.app import Server
 from pie.server.http import HttpFront
@@ -34,9 +32,7 @@ from pie.wire.frames import DEFAULT_MAX_FRAME
 from tests.inferlet_fixtures import GUESTS, run_json
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.test_chat_media import QWEN2_VL
-from tests.test_media_engine import png
-from tests.test_models_qwen2_vl import FAMILIES, PROCESSOR
-from tests.tiny_models import VOCAB, save_tiny_model, write_tiny_tokenizer
+from tests.tiny_media import png, save_tiny_vl, vl_beside_text
 
 pytestmark = pytest.mark.model
 
@@ -50,23 +46,9 @@ def tiny(
 ) -> SimpleNamespace:
     """The two models' config, the server and probe components, and three pictures."""
     root = tmp_path_factory.mktemp("openai-media")
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(FAMILIES["qwen2_vl"][1]).save_pretrained(root / "vl")
-    (root / "vl" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    (root / "vl" / "chat_template.json").write_text(json.dumps({"chat_template": QWEN2_VL}))
-    write_tiny_tokenizer(root / "vl", VOCAB)
-    save_tiny_model(root / "text", dict(model_type="llama"))
-    common = {"dtype": "float32", "device": "cpu"}
-    config = config_from_dict(
-        {
-            "models": [
-                {"name": "vl", "path": str(root / "vl"), **common},
-                {"name": "text", "path": str(root / "text"), **common},
-            ],
-            "kv": {"num_pages": 512, "page_size": 4},
-            "server": {"host": "127.0.0.1", "port": 0, "programs_dir": str(root / "programs")},
-        }
-    )
+    save_tiny_vl(root / "vl", seed=0, chat_template=QWEN2_VL)
+    server = {"host": "127.0.0.1", "port": 0, "programs_dir": str(root / "programs")}
+    config = vl_beside_text(root, num_pages=512, server=server)
     return SimpleNamespace(
         config=config,
         server=built(OPENAI_SERVER).read_bytes(),
