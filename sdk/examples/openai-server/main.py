@@ -1,6 +1,7 @@
 """An OpenAI-compatible API as an HTTP-served inferlet: `GET /models`, `POST /chat/completions`,
-`POST /completions` and `POST /responses`, whole or streamed as server-sent events; chat
-messages may hold images, audio and video for a model that reads them.
+`POST /completions`, `POST /responses` and `POST /audio/speech`, whole or streamed as server-sent
+events; chat messages may hold images, audio and video for a model that reads them, and replies
+may be spoken.
 `pie serve --http PORT --openai` mounts it at /v1; each request runs in its own instance,
 batched with everything else. The model's LoRA adapters are models too (as in vLLM): a request
 whose `model` names one runs through it."""
@@ -14,6 +15,7 @@ from typing import Any
 import completions
 import logprobs
 import responses
+import speech_out
 import tools
 from inferlet import Context, HostError, Model, models, runtime, serving
 from inferlet.serving import HttpError, Request, Response
@@ -22,7 +24,6 @@ from params import (
     ApiError,
     Params,
     error_body,
-    refuse_audio_output,
     refuse_unsupported,
 )
 from prompt import Prompt
@@ -69,11 +70,16 @@ async def _route(request: Request) -> Any:
     if route == ("POST", "/responses"):
         body = _body(request)
         return await responses.create(_served(body.get("model")), body)
+    if route == ("POST", "/audio/speech"):
+        body = _body(request)
+        return await speech_out.create_speech(_served(body.get("model")), body)
     raise HttpError(404, f"no route {request.method} {request.path}")
 
 
 async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
-    refuse_audio_output(model, body)
+    audio = speech_out.requested(model, body)
+    if audio is not None and audio.reads_out:
+        return await speech_out.read_out(model, body, audio)
     refuse_unsupported(body, CHAT_FIELDS)
     params = Params.of(
         body, length_keys=("max_completion_tokens", "max_tokens"), vocab_size=model.vocab_size
@@ -100,10 +106,11 @@ async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
                 return None
             texts = await asyncio.gather(*(g.collect_text() for g in generations))
             scored = await logprobs.finished(scorers, generations) if scorers else None
-            return reply.completion(texts, scored)
+            completion = reply.completion(texts, scored)
         finally:
             for scorer in scorers:
                 scorer.close()
+    return completion if audio is None else await speech_out.with_audio(audio, completion)
 
 
 class _Reply:

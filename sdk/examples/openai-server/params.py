@@ -23,7 +23,7 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream", "stream_options", "n", "response_format", "ignore_eos", "user",
     "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "tools",
-    "tool_choice", "parallel_tool_calls", "modalities",
+    "tool_choice", "parallel_tool_calls", "modalities", "audio",
 }  # fmt: skip
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
@@ -41,26 +41,14 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
 """Fields not supported yet, accepted only with the value that asks for the default behaviour."""
 
 
-def refuse_unsupported(body: dict[str, Any], supported: set[str]) -> None:
+def refuse_unsupported(
+    body: dict[str, Any], supported: set[str], defaults: dict[str, tuple[Any, ...]] = DEFAULTS
+) -> None:
     """A 400 naming the first field this server would otherwise have to ignore."""
     for field, value in body.items():
-        if field in supported or value is None or value in DEFAULTS.get(field, ()):
+        if field in supported or value is None or value in defaults.get(field, ()):
             continue
         raise HttpError(400, f"{field}: not supported by this server")
-
-
-def refuse_audio_output(model: Any, body: dict[str, Any]) -> None:
-    """`modalities` may ask for text only: audio output (there or as `audio`) is refused."""
-    modalities = body.get("modalities")
-    if modalities is not None and (
-        not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities)
-    ):
-        raise HttpError(400, 'modalities: a list of "text" and "audio"')
-    asked = "modalities" if "audio" in (modalities or ()) else None
-    if asked or body.get("audio") is not None:
-        raise HttpError(
-            400, f"{asked or 'audio'}: audio output is not supported by model {model.name!r}"
-        )
 
 
 class Params:
