@@ -402,7 +402,16 @@ class FakeHost:
             },
             "speech": {
                 name: _no_speech
-                for name in ("voices", "speak", "spoken", "info", "wav", "samples", "free")
+                for name in (
+                    "voices",
+                    "max-seconds",
+                    "speak",
+                    "spoken",
+                    "info",
+                    "wav",
+                    "samples",
+                    "free",
+                )
             },
             "mcp": {
                 "servers": lambda: ["toys"],

@@ -36,6 +36,11 @@ def voices(model: int) -> list[int]:
     return list(port.voices())
 
 
+def max_seconds(model: int) -> float:
+    _, _, holds = _speaking(model)
+    return float(holds.limits.max_seconds)
+
+
 def speak(model: int, text: str, speaker: int, max_seconds: float) -> int:
     """Queues a request on the model's pass loop; the pollable resolves to its clip."""
     state = current()
@@ -147,5 +152,5 @@ def _holds(state: InstanceState) -> SpeechHolds:
 
 
 def register(instance: LinkerInstance) -> None:
-    for fn in (voices, speak, spoken, info, wav, samples, free):
-        add_host_func(instance, fn.__name__, host_call(fn))
+    for fn in (voices, max_seconds, speak, spoken, info, wav, samples, free):
+        add_host_func(instance, fn.__name__.replace("_", "-"), host_call(fn))

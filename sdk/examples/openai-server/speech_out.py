@@ -11,7 +11,7 @@ from typing import Any
 
 from inferlet import HostError, Model, models, runtime
 from inferlet.serving import HttpError, Response
-from inferlet.speech import voices
+from inferlet.speech import max_seconds, voices
 from params import ApiError, chat_messages, refuse_unsupported, text_of
 
 MAX_SPEECH_SECONDS = 30.0
@@ -119,7 +119,8 @@ def _format(given: Any, formats: dict[str, str], field: str) -> str:
 async def spoken(speaker: Model, text: str, voice: int, fmt: str, field: str) -> bytes:
     """`text` said in `voice`, as a WAV file or its raw 16-bit samples (`pcm`). The engine's
     refusals: a bound on clips held is a 429, a text it cannot say a 400 naming `field`."""
-    request = speaker.speak(text).speaker(voice).max_duration(MAX_SPEECH_SECONDS)
+    longest = min(MAX_SPEECH_SECONDS, max_seconds(speaker))
+    request = speaker.speak(text).speaker(voice).max_duration(longest)
     try:
         with await request.generate() as speech:
             wav = speech.to_wav()

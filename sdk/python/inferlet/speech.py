@@ -85,3 +85,9 @@ class SpeechRequest:
 def voices(model: Any) -> list[int]:
     """The speaker ids a model that speaks accepts."""
     return list(call(_speech.voices, model.handle))
+
+
+def max_seconds(model: Any) -> float:
+    """The longest clip the engine makes ([media] speech_max_seconds)."""
+    seconds: float = call(_speech.max_seconds, model.handle)
+    return seconds
