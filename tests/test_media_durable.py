@@ -102,17 +102,21 @@ async def test_a_snapshot_holding_a_picture_survives_a_restart_with_the_same_tok
     tmp_path: Path,
     built: Any,  # noqa: F811
 ) -> None:
-    wasm = built(GUESTS / "media_pass").read_bytes()
+    wasm = built(GUESTS / "media_probe").read_bytes()
     common = {"name": "seen", "images": [tiny.picture], "tokens": TOKENS, "count": COUNT}
     async with open_engine(config(tiny, tmp_path)) as engine:
         program = engine.programs.add(wasm).hash
-        await run_json(engine, program, {**common, "mode": "save", "anchors": [ANCHOR]})
-        live = await run_json(engine, program, {**common, "mode": "resume"})
+        await run_json(
+            engine, program, {**common, "probe": "passes", "mode": "save", "anchors": [ANCHOR]}
+        )
+        live = await run_json(engine, program, {**common, "probe": "passes", "mode": "resume"})
     kept = [path.stat().st_size for path in (tmp_path / "media").iterdir()]
     async with open_engine(config(tiny, tmp_path)) as engine:
         program = engine.programs.add(wasm).hash
         held = engine.model("vl").driver.media.statistics()[0]
-        restored = await run_json(engine, program, {**common, "mode": "resume", "delete": True})
+        restored = await run_json(
+            engine, program, {**common, "probe": "passes", "mode": "resume", "delete": True}
+        )
     assert live == tiny.expected
     assert restored == live
     assert len(kept) == 1 and kept[0] > len(base64.b64decode(tiny.picture))

@@ -44,6 +44,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 def request(mode: str, pictures: list[bytes], anchors: list[int]) -> dict[str, Any]:
     images = [base64.b64encode(p).decode() for p in pictures]
     return {
+        "probe": "passes",
         "mode": mode,
         "images": images,
         "anchors": anchors,
@@ -56,7 +57,7 @@ async def test_pictures_at_anchors_give_transformers_tokens_and_those_of_appende
     tiny: SimpleNamespace,
     built: Any,  # noqa: F811
 ) -> None:
-    wasm = built(GUESTS / "media_pass").read_bytes()
+    wasm = built(GUESTS / "media_probe").read_bytes()
     one, two = tiny.pictures
     async with open_engine(tiny.config) as engine:
         program = engine.programs.add(wasm).hash
@@ -80,7 +81,7 @@ async def test_bad_media_passes_are_refused_and_the_program_goes_on(
     tiny: SimpleNamespace,
     built: Any,  # noqa: F811
 ) -> None:
-    wasm = built(GUESTS / "media_pass").read_bytes()
+    wasm = built(GUESTS / "media_probe").read_bytes()
     async with open_engine(tiny.config) as engine:
         program = engine.programs.add(wasm).hash
         seen = await run_json(engine, program, request("refusals", tiny.pictures[:1], [3]))

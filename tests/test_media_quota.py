@@ -65,9 +65,9 @@ async def test_held_media_are_bounded_per_inferlet_and_per_user(
     tiny: SimpleNamespace,
     built: Any,  # noqa: F811
 ) -> None:
-    wasm = built(GUESTS / "media_pass").read_bytes()
-    hold = {"mode": "hold", "images": [tiny.picture]}
-    good = {"mode": "anchored", "images": [tiny.picture], "anchors": [2]}
+    wasm = built(GUESTS / "media_probe").read_bytes()
+    hold = {"probe": "passes", "mode": "hold", "images": [tiny.picture]}
+    good = {"probe": "passes", "mode": "anchored", "images": [tiny.picture], "anchors": [2]}
     good |= {"tokens": BEFORE + AFTER, "count": 3}
     async with open_engine(tiny.config) as engine:
         program = engine.programs.add(wasm).hash

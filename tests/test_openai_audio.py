@@ -78,7 +78,7 @@ def tiny(
     return SimpleNamespace(
         config=config,
         server=built(OPENAI_SERVER).read_bytes(),
-        probe=built(GUESTS / "speech_probe").read_bytes(),
+        probe=built(GUESTS / "media_probe").read_bytes(),
         speech=speech,
         fox=fox,
     )
@@ -190,7 +190,14 @@ async def test_a_user_at_the_speech_bound_gets_a_429_then_speaks_once_a_clip_is_
     """A program of the endpoint's user holds one clip, the user's bound; a request is refused
     until the program frees it."""
     short = {"model": "csm", "text": "pie", "speaker": 0, "seconds": 0.002}
-    hold = {"mode": "hold", "model": "csm", "text": "pie", "seconds": 0.002, "case": short}
+    hold = {
+        "probe": "speech",
+        "mode": "hold",
+        "model": "csm",
+        "text": "pie",
+        "seconds": 0.002,
+        "case": short,
+    }
     async with endpoint(tiny) as served:
         engine = served.engine
         program = engine.programs.add(tiny.probe).hash

@@ -52,7 +52,7 @@ def tiny(
     return SimpleNamespace(
         config=config,
         server=built(OPENAI_SERVER).read_bytes(),
-        probe=built(GUESTS / "file_probe").read_bytes(),
+        probe=built(GUESTS / "media_probe").read_bytes(),
         pictures=[png(i, *size) for i, size in enumerate([(56, 84), (60, 60), (28, 28)])],
     )
 
@@ -111,7 +111,12 @@ async def test_a_picture_in_a_chat_turn_answers_as_the_same_turn_run_in_a_progra
             direct = await run_json(
                 served.engine,
                 served.probe,
-                {"mode": "chat", "model": "vl", "image": base64.b64encode(picture).decode()}
+                {
+                    "probe": "files",
+                    "mode": "chat",
+                    "model": "vl",
+                    "image": base64.b64encode(picture).decode(),
+                }
                 | {"text": TEXT, "tokens": TOKENS},
             )
             messages = image_turn(data_url(picture))
@@ -209,7 +214,9 @@ async def test_a_file_sent_to_a_session_arrives_and_one_too_large_is_refused_bef
         sparse.truncate(DEFAULT_MAX_FRAME)
     async with endpoints(tiny) as served, connect(served.ws) as client:
         with trio.fail_after(120):
-            inferlet = await client.launch(served.probe, {"mode": "files", "model": "vl"})
+            inferlet = await client.launch(
+                served.probe, {"probe": "files", "mode": "files", "model": "vl"}
+            )
             await client.send_file(inferlet.instance, picture)
             with pytest.raises(MessageTooLarge, match="frame limit"):
                 await client.send_file(inferlet.instance, huge)

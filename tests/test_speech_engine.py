@@ -124,7 +124,7 @@ async def test_speech_equals_transformers_while_two_speak_and_a_text_model_gener
     built: Any,  # noqa: F811
 ) -> None:
     tts = built(EXAMPLES / "tts").read_bytes()
-    probe = built(GUESTS / "speech_probe").read_bytes()
+    probe = built(GUESTS / "media_probe").read_bytes()
     sent: list[bytes] = []
     results: dict[str, Any] = {}
 
@@ -150,9 +150,20 @@ async def test_speech_equals_transformers_while_two_speak_and_a_text_model_gener
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(example)
-            pair = {"mode": "together", "model": "csm", "cases": [speech_case(c) for c in PAIR]}
+            pair = {
+                "probe": "speech",
+                "mode": "together",
+                "model": "csm",
+                "cases": [speech_case(c) for c in PAIR],
+            }
             nursery.start_soon(run, "pair", pair)
-            text = {"mode": "text", "model": "text", "prompt": PROMPT, "tokens": TOKENS}
+            text = {
+                "probe": "speech",
+                "mode": "text",
+                "model": "text",
+                "prompt": PROMPT,
+                "tokens": TOKENS,
+            }
             nursery.start_soon(run, "text", text)
         speech = engine.model("csm").speech
         assert speech is not None
@@ -177,7 +188,7 @@ async def test_refusals_reach_the_program_which_goes_on_speaking(
     tiny: SimpleNamespace,
     built: Any,  # noqa: F811
 ) -> None:
-    probe = built(GUESTS / "speech_probe").read_bytes()
+    probe = built(GUESTS / "media_probe").read_bytes()
     good = {"model": "csm", **speech_case(PIE)}
     cases = [
         {**good, "model": "text"},
@@ -191,7 +202,9 @@ async def test_refusals_reach_the_program_which_goes_on_speaking(
     ]
     async with open_engine(tiny.config) as engine:
         program = engine.programs.add(probe).hash
-        seen = await run_json(engine, program, {"mode": "refusals", "cases": cases})
+        seen = await run_json(
+            engine, program, {"probe": "speech", "mode": "refusals", "cases": cases}
+        )
     assert seen[0] == {
         "kind": "unsupported-media",
         "message": "model 'text' does not speak (it produces text)",
@@ -209,8 +222,14 @@ async def test_the_inferlet_and_user_bounds_refuse_then_serve_once_clips_are_fre
 ) -> None:
     """A holds two clips (its bound) and is refused a third; B, of the same user, gets one more
     (the user's third) and is refused the next; once they free theirs both speak again."""
-    probe = built(GUESTS / "speech_probe").read_bytes()
-    common = {"mode": "hold", "model": "csm", "text": PIE["text"], "seconds": 0.002}
+    probe = built(GUESTS / "media_probe").read_bytes()
+    common = {
+        "probe": "speech",
+        "mode": "hold",
+        "model": "csm",
+        "text": PIE["text"],
+        "seconds": 0.002,
+    }
     after = {"model": "csm", **speech_case(PIE)}
     results: dict[str, Any] = {}
     async with open_engine(tiny.config) as engine:

@@ -11,10 +11,6 @@ from typing import Any
 from inferlet import Context, HostError, Model, Sampler, messaging
 
 
-async def main(input: dict[str, Any]) -> Any:
-    return await MODES[input["mode"]](input)
-
-
 async def text(input: dict[str, Any]) -> Any:
     """Greedy tokens after a prompt on a text model."""
     with Context(Model.load(input["model"])) as ctx:

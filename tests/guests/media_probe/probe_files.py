@@ -11,12 +11,6 @@ from typing import Any
 from inferlet import Context, HostError, Image, Model, Sampler, session
 
 
-async def main(input: dict[str, Any]) -> Any:
-    if input["mode"] == "files":
-        return await files(Model.load(input.get("model", "")))
-    return await chat(Model.load(input["model"]), input)
-
-
 async def files(model: Model) -> int:
     """Answers each picture; returns how many it answered."""
     count = 0
@@ -44,3 +38,9 @@ async def chat(model: Model, input: dict[str, Any]) -> Any:
         generation = ctx.generate(Sampler.argmax(), max_tokens=input["tokens"], stop_tokens=[])
         text = await generation.collect_text()
     return {"prompt": prompt, "tokens": generation.tokens, "text": text}
+
+
+MODES = {
+    "files": lambda input: files(Model.load(input.get("model", ""))),
+    "chat": lambda input: chat(Model.load(input["model"]), input),
+}

@@ -14,10 +14,6 @@ from inferlet.errors import call
 from wit_world.imports import forward as fw
 
 
-async def main(input: dict[str, Any]) -> Any:
-    return await MODES[input["mode"]](input)
-
-
 def _pictures(model: Model, input: dict[str, Any]) -> list[Image]:
     return [Image.from_bytes(model, base64.b64decode(p)) for p in input["images"]]
 
