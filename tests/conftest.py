@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import trio.testing
@@ -41,6 +43,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             kernel_ops(library)
         except KernelBuildError:
             pass  # the tests that need a kernel say why it is missing
+    from tests.compile_memo import install
+
+    cache = getattr(session.config, "cache", None)
+    install(Path(cache.mkdir("pie-compiled")) if cache else Path(tempfile.mkdtemp("-pie-compiled")))
 
 
 @pytest.hookimpl(tryfirst=True)
