@@ -23,6 +23,7 @@ from pie.sandbox import WasmRuntime
 from pie.server.app import Server
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts
+from pie.server.routes import Route
 from pie.wire import messages as msg
 from pie.wire.frames import decode_server_frame, encode_frame
 
@@ -88,10 +89,11 @@ async def http_front(
     users: Any = None,
     num_pages: int = 4096,
     sandbox: dict[str, Any] | None = None,
+    routes: tuple[Route, ...] = (),
     **http: Any,
 ) -> AsyncIterator[tuple[Any, HttpFront, Any]]:
-    """An engine serving `programs` ({prefix: wasm}) over HTTP on a free port, and an httpx
-    client for it; keyword arguments override [http] keys, `sandbox` [sandbox] keys."""
+    """An engine serving `programs` ({prefix: wasm}) and `routes` over HTTP on a free port, and
+    an httpx client for it; keyword arguments override [http] keys, `sandbox` [sandbox] keys."""
     import httpx
 
     sandbox = {"cache_dir": str(components), **(sandbox or {})}
@@ -103,7 +105,9 @@ async def http_front(
             for p, w in programs.items()
         }
         http_config = with_overrides(config, http={"port": 0, **http}).http
-        front = HttpFront(engine, http_config, Mounts(mounts), host="127.0.0.1", users=users)
+        front = HttpFront(
+            engine, http_config, Mounts(mounts), host="127.0.0.1", users=users, routes=routes
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(front.run)
             async with httpx.AsyncClient(base_url=front.url, timeout=60) as client:

@@ -20,6 +20,7 @@ from pie.config import HttpConfig
 from pie.events import inferlet as ev
 from pie.sandbox.host.serving import is_final_status
 from pie.server.mounts import OPENAI_PREFIX, Mounts
+from pie.server.routes import Route, find_route
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -64,8 +65,11 @@ class HttpFront:
         users: UserStore | None = None,
         credential_check_seconds: float = 2.0,
         shutdown_seconds: float = 30.0,
+        routes: tuple[Route, ...] = (),
     ) -> None:
         self.engine = engine
+        self.routes = routes
+        """Pages the front serves itself; they take precedence over mounted programs."""
         self.config = config
         self.mounts = mounts
         self.host = host
@@ -149,6 +153,10 @@ class HttpFront:
                 message = "a request may not carry both Content-Length and Transfer-Encoding"
                 await _error(send, 400, message, "bad_request", close=True)
             return
+        route = find_route(self.routes, scope["path"])
+        if route is not None:
+            await self._route(route, scope, receive, send)
+            return
         found = self.mounts.find(scope["path"])
         if found is None:
             await _error(send, 404, f"nothing is mounted at {scope['path']}", "not_found")
@@ -182,6 +190,13 @@ class HttpFront:
             await _error(send, LAUNCH_REFUSED.get(err.kind, 502), err.message, err.kind)
             return
         await self._relay(run, receive, send, credential)
+
+    async def _route(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        caller = self._caller(scope)
+        if caller is None and not route.public:
+            await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "unauthenticated")
+            return
+        await route.handler(scope, receive, send, caller[0] if caller else None)
 
     async def _too_large(self, send: Send, openai: bool) -> None:
         if openai:

@@ -1,0 +1,34 @@
+"""Pages the HTTP front serves itself, ahead of any mounted program (health, metrics, the
+dashboard): each a path prefix and an ASGI-style handler told who is calling."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from attrs import frozen
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Scope, Receive, Send, str | None], Awaitable[None]]
+"""Called with the request and the caller's user name (None on a public route without
+credentials)."""
+
+
+@frozen(kw_only=True)
+class Route:
+    prefix: str
+    """Matches this path and every path below it (`/dashboard` matches `/dashboard/state`)."""
+    handler: Handler
+    public: bool = False
+    """Served without credentials even when the server requires them (health checks)."""
+
+    def matches(self, path: str) -> bool:
+        return path == self.prefix or path.startswith(self.prefix.rstrip("/") + "/")
+
+
+def find_route(routes: Sequence[Route], path: str) -> Route | None:
+    """The route with the longest prefix that matches `path`, or None."""
+    found = [route for route in routes if route.matches(path)]
+    return max(found, key=lambda route: len(route.prefix), default=None)
