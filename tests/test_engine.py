@@ -16,6 +16,7 @@ from pie.actors.kv import KvCore
 from pie.actors.requester import Requester, RequestRefused
 from pie.actors.runtime import MailboxOverrun, Router
 from pie.config import EngineConfig, with_overrides
+from pie.dataplane import PassSummary
 from pie.drivers.base import DriverError
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.synthetic import SyntheticDriver
@@ -226,6 +227,26 @@ async def test_a_prompt_longer_than_the_token_budget_is_chunked_and_still_right(
     assert stats.scheduler.chunks == 3
     assert max(b.num_tokens for b in driver.batches) == 8
     assert [b.kv_lens for b in driver.batches[:4]] == [[8], [16], [24], [30]]
+
+
+@pytest.mark.integration
+async def test_pass_observers_hear_of_every_pass_and_its_requests() -> None:
+    heard: list[PassSummary] = []
+    driver = SyntheticDriver(page_size=4)
+    config = with_overrides(EngineConfig(), scheduler={"max_batch_tokens": 8})
+    with trio.fail_after(10):
+        async with open_engine(config, driver=driver) as engine:
+            engine.inference.observe_passes(heard.append)
+            async with engine.requester() as r:
+                context = await r.create_context()
+                await r.forward(context, list(range(100, 120)), greedy_at(19))
+                await r.forward(context, [7], GREEDY)
+            stats = engine.statistics()
+    assert [s.number for s in heard] == list(range(1, stats.inference.passes + 1))
+    assert [s.tokens for s in heard] == [b.num_tokens for b in driver.batches] == [8, 8, 4, 1]
+    assert len({s.corrs for s in heard[:3]}) == 1 and heard[3].corrs != heard[0].corrs
+    assert all(s.requests == 1 and s.failed == 0 and s.seconds >= 0 for s in heard)
+    assert heard == sorted(heard, key=lambda s: s.ended)
 
 
 @pytest.mark.integration
