@@ -19,8 +19,14 @@ from pie.config import EngineConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import open_engine
 from pie.eventlog import EventLog, Gap, LogGap, read_entries, read_log
+from pie.eventlog.tree import causal_tree
 from pie.events import bus, http, kv
 from pie.events.batching import EngineStarted
+from pie.events.sampling import Argmax, SamplingSlot
+
+
+def greedy_at(index: int) -> tuple[SamplingSlot, ...]:
+    return (SamplingSlot(index=index, op=Argmax()),)
 
 
 def created(corr: int) -> kv.CreateContext:
@@ -170,7 +176,7 @@ def test_replay_refuses_a_log_with_a_gap_and_pie_log_shows_it(
     log.close()
     assert run_replay(argparse.Namespace(file=path, actor="kv")) == 2
     assert "cannot replay an incomplete log" in capsys.readouterr().err
-    assert run_log(argparse.Namespace(file=path, actor=None, corr=None, limit=0)) == 0
+    assert run_log(argparse.Namespace(file=path, actor=None, corr=None, limit=0, tree=None)) == 0
     assert "records not in the file (seq 3 to 5)" in capsys.readouterr().out
 
 
@@ -285,3 +291,43 @@ def test_by_default_the_ring_holds_little_of_a_million_character_message() -> No
             "a", "bus", bus.Publish(corr=corr, requester="a", topic="t", message="m" * 2**20)
         )
     assert sum(len(e.event.message) for e in log.records()) < 20 * 512
+
+
+@pytest.mark.integration
+async def test_each_delivery_names_its_cause_down_to_the_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "events.jsonl"
+    config = with_overrides(EngineConfig(), event_log={"path": str(path)})
+    with trio.fail_after(10):
+        async with open_engine(config, driver=SyntheticDriver()) as engine:
+            async with engine.requester() as r:
+                context = await r.create_context()
+                out = await r.forward(context, [5, 6, 7], greedy_at(2))
+                await r.forward(context, [out[0].token], greedy_at(0))  # type: ignore[union-attr]
+    envelopes = list(read_log(path))
+    by_type: dict[str, list[Any]] = {}
+    for env in envelopes:
+        by_type.setdefault(type(env.event).__name__, []).append(env)
+    create, created = by_type["CreateContext"][0], by_type["ContextCreated"][0]
+    submits, placed = by_type["SubmitForward"], by_type["ScheduleForward"]
+    completed, applied = by_type["ForwardCompleted"], by_type["PassApplied"]
+    assert created.cause == create.seq
+    assert submits[0].cause == created.seq  # the requester acted on what it had received
+    assert [p.cause for p in placed] == [s.seq for s in submits]
+    assert [c.cause for c in completed] == [p.seq for p in placed] == [a.cause for a in applied]
+    assert submits[1].cause == completed[0].seq
+
+    tree = list(causal_tree(envelopes, create.seq))
+    assert tree[0] == (0, create)
+    assert {env.seq for _, env in tree} >= {e.seq for e in (*submits, *placed, *completed)}
+    assert [depth for depth, env in tree if env in completed] == [4, 7]
+
+    args = argparse.Namespace(
+        file=str(path), actor=None, corr=None, limit=0, tree=completed[1].seq, root=True
+    )
+    assert run_log(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"[0] {create.seq:>7}") and "CreateContext" in lines[0]
+    assert any(line.startswith("        [4] ") and "ForwardCompleted" in line for line in lines)
+    assert run_log(argparse.Namespace(**{**vars(args), "tree": 10**6, "root": False})) == 2

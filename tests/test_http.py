@@ -411,9 +411,9 @@ async def test_an_unforeseen_failure_fails_that_request_alone() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(actor.run)
             await router.send("test", "http", request(1, "http://fails/"))
-            failed = await replies.receive()
+            _, failed = await replies.receive()
             await router.send("test", "http", request(2, "http://works/"))
-            served = await replies.receive()
+            _, served = await replies.receive()
             router.unregister("http")
     assert isinstance(failed, RequestFailed) and failed.kind == "internal" and failed.corr == 1
     assert isinstance(served, HttpFetched) and served.body == b"ok" and served.corr == 2

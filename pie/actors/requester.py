@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from pie.actors.runtime import Router
+from pie.actors.runtime import CAUSE, Router
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
@@ -88,11 +88,15 @@ class Requester:
         self._topics: dict[int, Callable[[bus_ev.TopicMessage], None]] = {}
         self._runs: dict[str, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
         self._runs = {}
+        self._last = CAUSE.get()
+        """The seq of the latest delivery to this requester, the cause of its next command:
+        whoever drives it decided on what it had received (first: what it was opened in)."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._inbox:
-            async for event in self._inbox:
+            async for seq, event in self._inbox:
+                self._last = seq or self._last
                 self._deliver(event)
 
     def _deliver(self, event: Any) -> None:
@@ -125,7 +129,7 @@ class Requester:
         reply = _Reply()
         self._waiting[event.corr] = reply
         try:
-            await self.router.send(self.address, dst, event)
+            await self.router.send(self.address, dst, event, cause=self._last)
             await reply.done.wait()
         finally:
             self._waiting.pop(event.corr, None)

@@ -1,5 +1,6 @@
 """The actor runtime: addressed bounded mailboxes, each accepting one closed union of event
-types, a router that logs every delivery, and the Actor base class every shell builds on."""
+types, a router that logs every delivery with the delivery that caused it, and the Actor base
+class every shell builds on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import traceback
 import types
 import typing
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, TypeAlias
 
 import trio
@@ -28,6 +30,12 @@ class UnknownAddress(LookupError):
 class UnexpectedEvent(TypeError):
     """An event sent to a mailbox that does not accept its type: a bug in the sender."""
 
+
+CAUSE: ContextVar[int | None] = ContextVar("pie_cause", default=None)
+"""The seq of the delivery the current task is handling: what it sends was caused by it."""
+
+Delivery: TypeAlias = tuple[int, Any]
+"""What a mailbox's channel carries: (the delivery's seq in the log, 0 without one; the event)."""
 
 Accepts: TypeAlias = type | types.UnionType | tuple[Any, ...]
 """What a mailbox accepts: an event class, a union of them (`A | B`), or a tuple nesting both."""
@@ -63,6 +71,8 @@ class _Mailbox:
     delivered: int = 0
     handler: Callable[[Any], None] | None = None
     """Set for addresses that take deliveries synchronously instead of through the channel."""
+    last_seq: int = 0
+    """The seq of the latest delivery (0 without a log)."""
 
 
 class Router:
@@ -70,6 +80,9 @@ class Router:
 
     Each mailbox accepts one closed union of event types; `send` and `send_nowait` raise
     `UnexpectedEvent` at the sender for any other, before anything is logged or delivered.
+    A delivery's cause is the `cause` its sender names, else the delivery the sending task is
+    handling (`CAUSE`); channels carry each event with its own seq, so that the receiver can
+    name it as the cause of what it sends in turn.
     """
 
     def __init__(self, log: EventLog | None = None) -> None:
@@ -78,8 +91,9 @@ class Router:
 
     def register(
         self, address: str, accepts: Accepts, capacity: int = 1024
-    ) -> trio.MemoryReceiveChannel[Any]:
-        """A mailbox at `address` taking only events of the types in `accepts`."""
+    ) -> trio.MemoryReceiveChannel[Delivery]:
+        """A mailbox at `address` taking only events of the types in `accepts`; its channel
+        yields `(seq, event)` deliveries."""
         if address in self._boxes:
             raise ValueError(f"address {address!r} is already registered")
         classes = event_types(accepts)
@@ -112,7 +126,7 @@ class Router:
     def __contains__(self, address: str) -> bool:
         return address in self._boxes
 
-    async def send(self, src: str, dst: str, event: Any) -> None:
+    async def send(self, src: str, dst: str, event: Any, *, cause: int | None = None) -> None:
         """Delivers, waiting while the mailbox is full (use for command edges)."""
         box = self._box(dst)
         if not isinstance(event, box.accepts):
@@ -121,13 +135,13 @@ class Router:
         # the receiver an event it never saw. Past this check trio's `send` can only be
         # cancelled after the hand-off, unless the mailbox is full and it has to wait.
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._record(src, dst, event, box)
+        seq = self._record(src, dst, event, box, cause)
         if box.handler is not None:
             box.handler(event)
             return
-        await box.send.send(event)
+        await box.send.send((seq, event))
 
-    def send_nowait(self, src: str, dst: str, event: Any) -> bool:
+    def send_nowait(self, src: str, dst: str, event: Any, *, cause: int | None = None) -> bool:
         """Delivers at once (use for reply edges). A vanished destination drops the event
         and returns False; a full mailbox raises MailboxOverrun. Only deliveries are logged."""
         box = self._boxes.get(dst)
@@ -136,17 +150,25 @@ class Router:
         if not isinstance(event, box.accepts):
             raise _unexpected(dst, event, box)
         if box.handler is not None:
-            self._record(src, dst, event, box)
+            self._record(src, dst, event, box, cause)
             box.handler(event)
             return True
+        # The seq is taken before the hand-off so that the channel carries it; a refused
+        # hand-off gives it back, leaving no record and no hole in the log.
+        seq = self.log.next_seq if self.log is not None else 0
         try:
-            box.send.send_nowait(event)
+            box.send.send_nowait((seq, event))
         except trio.WouldBlock:
             raise MailboxOverrun(f"mailbox of {dst!r} is full ({box.capacity})") from None
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return False
-        self._record(src, dst, event, box)
+        self._record(src, dst, event, box, cause)
         return True
+
+    def last_delivered(self, address: str) -> int:
+        """The seq of the latest delivery to `address` (0 when none was logged)."""
+        box = self._boxes.get(address)
+        return box.last_seq if box is not None else 0
 
     def statistics(self) -> list[MailboxStatistics]:
         return [
@@ -169,10 +191,14 @@ class Router:
         except KeyError:
             raise UnknownAddress(f"no actor at {dst!r}") from None
 
-    def _record(self, src: str, dst: str, event: Any, box: _Mailbox) -> None:
+    def _record(self, src: str, dst: str, event: Any, box: _Mailbox, cause: int | None) -> int:
         box.delivered += 1
-        if self.log is not None:
-            self.log.append(src, dst, event)
+        if self.log is None:
+            return 0
+        if cause is None:
+            cause = CAUSE.get()
+        box.last_seq = seq = self.log.append(src, dst, event, cause)
+        return seq
 
 
 def internal_failure(event: Any) -> tuple[str, Any] | None:
@@ -210,11 +236,14 @@ class Actor:
         await self.started()
         task_status.started()
         async with self._inbox:
-            async for event in self._inbox:
+            async for seq, event in self._inbox:
+                cause = CAUSE.set(seq or None)
                 try:
                     await self.handle(event)
                 except Exception as exc:  # one request's failure must not stop the engine
                     self.handler_failed(event, exc)
+                finally:
+                    CAUSE.reset(cause)
 
     async def started(self) -> None:
         """Hook run before readiness is reported."""

@@ -14,6 +14,8 @@ from pie.events import codec
 def run_log(args: argparse.Namespace) -> int:
     from pie.eventlog import Gap, read_entries
 
+    if args.tree is not None:
+        return _print_tree(args)
     shown = 0
     for env in read_entries(args.file):
         if isinstance(env, Gap):
@@ -26,15 +28,41 @@ def run_log(args: argparse.Namespace) -> int:
             continue
         if args.corr is not None and env.corr != args.corr:
             continue
-        corr = "-" if env.corr is None else str(env.corr)
-        print(
-            f"{env.seq:>7} {env.time:.6f} {env.src:>12} -> {env.dst:<12} {corr:>6}  "
-            f"{_describe(env.event)}"
-        )
+        print(_line(env))
         shown += 1
         if args.limit and shown >= args.limit:
             break
     return 0
+
+
+def _print_tree(args: argparse.Namespace) -> int:
+    """The causal tree of delivery `--tree SEQ` (with `--root`, of the first delivery in its
+    chain of causes): each delivery indented under the one that caused it."""
+    from pie.eventlog import Envelope, read_entries
+    from pie.eventlog.tree import causal_tree, root_of
+
+    envelopes = [env for env in read_entries(args.file) if isinstance(env, Envelope)]
+    try:
+        root = root_of(envelopes, args.tree) if args.root else args.tree
+        shown = 0
+        for depth, env in causal_tree(envelopes, root):
+            # Depth is printed, and indentation capped, for chains thousands of passes long.
+            print(f"{'  ' * min(depth, 16)}[{depth}] {_line(env)}")
+            shown += 1
+            if args.limit and shown >= args.limit:
+                break
+    except KeyError as missing:
+        print(f"pie: {missing.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _line(env: Any) -> str:
+    corr = "-" if env.corr is None else str(env.corr)
+    return (
+        f"{env.seq:>7} {env.time:.6f} {env.src:>12} -> {env.dst:<12} {corr:>6}  "
+        f"{_describe(env.event)}"
+    )
 
 
 def _describe(event: Any) -> str:

@@ -165,6 +165,10 @@ def add_log_parsers(commands: Commands) -> None:
     log.add_argument("--actor", help="only events sent to or by this address")
     log.add_argument("--corr", type=int, help="only events of this correlation id")
     log.add_argument("--limit", type=int, default=0, help="print at most this many")
+    log.add_argument("--tree", type=int, metavar="SEQ", help="the deliveries SEQ caused, as a tree")
+    log.add_argument(
+        "--root", action="store_true", help="with --tree: start from the first cause of SEQ"
+    )
 
     replay = commands.add_parser("replay", help="replay an actor's inputs from an event log")
     replay.add_argument("file")

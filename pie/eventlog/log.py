@@ -67,16 +67,21 @@ class EventLog:
         self._writer = self._file
         """The file writer while it takes records: None once closed."""
 
-    def append(self, src: str, dst: str, event: Any) -> int:
-        """Records a delivery; returns its seq."""
+    def append(self, src: str, dst: str, event: Any, cause: int | None = None) -> int:
+        """Records a delivery, and the seq of the delivery that caused it; returns its seq."""
         self._seq += 1
         now = time.time()
-        row = (self._seq, now, src, dst, event)
+        row = (self._seq, now, src, dst, cause, event)
         kept = clip(event, self.ring_payload) if self.ring_payload else event
-        self._ring.append(row if kept is event else (self._seq, now, src, dst, kept))
+        self._ring.append(row if kept is event else (self._seq, now, src, dst, cause, kept))
         if self._writer is not None:
             self._writer.submit(row)
         return self._seq
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next `append` will take."""
+        return self._seq + 1
 
     def records(self) -> list[Envelope]:
         """The envelopes in the ring, oldest first."""

@@ -12,9 +12,10 @@ from pie.events import codec
 
 ENCODER = json.JSONEncoder(separators=(",", ":"))
 
-Row: TypeAlias = tuple[int, float, str, str, Any]
-"""An envelope as the appender keeps it: (seq, time, src, dst, event). Building the tuple costs
-the Trio thread a small fraction of building an `Envelope`, which is made when the log is read."""
+Row: TypeAlias = tuple[int, float, str, str, int | None, Any]
+"""An envelope as the appender keeps it: (seq, time, src, dst, cause, event). Building the
+tuple costs the Trio thread a small fraction of building an `Envelope`, which is made when the
+log is read."""
 
 
 def correlation_of(event: Any) -> int | None:
@@ -26,7 +27,8 @@ def correlation_of(event: Any) -> int | None:
 
 @frozen(kw_only=True)
 class Envelope:
-    """One delivery: who sent what to whom, when, and which request it belongs to."""
+    """One delivery: who sent what to whom, when, which request it belongs to, and which
+    delivery caused it."""
 
     seq: int
     time: float
@@ -34,15 +36,18 @@ class Envelope:
     dst: str
     corr: int | None
     event: Any
+    cause: int | None = None
+    """The seq of the delivery its sender was handling (None: it started from outside, e.g. a
+    client, a timer or the data plane)."""
 
     @classmethod
     def from_row(cls, row: Row) -> Envelope:
-        seq, time, src, dst, event = row
+        seq, time, src, dst, cause, event = row
         corr = correlation_of(event)
-        return cls(seq=seq, time=time, src=src, dst=dst, corr=corr, event=event)
+        return cls(seq=seq, time=time, src=src, dst=dst, corr=corr, event=event, cause=cause)
 
     def to_json(self) -> str:
-        return _line(self.seq, self.time, self.src, self.dst, self.corr, self.event)
+        return _line(self.seq, self.time, self.src, self.dst, self.corr, self.cause, self.event)
 
     @classmethod
     def from_json(cls, line: str) -> Envelope:
@@ -57,22 +62,26 @@ class Envelope:
             dst=record["dst"],
             corr=record["corr"],
             event=codec.decode(record["event"]),
+            cause=record.get("cause"),
         )
 
 
 def row_json(row: Row) -> str:
     """The JSON line of the envelope `row` stands for (what `Envelope.to_json` writes)."""
-    seq, time, src, dst, event = row
-    return _line(seq, time, src, dst, correlation_of(event), event)
+    seq, time, src, dst, cause, event = row
+    return _line(seq, time, src, dst, correlation_of(event), cause, event)
 
 
-def _line(seq: int, time: float, src: str, dst: str, corr: int | None, event: Any) -> str:
+def _line(
+    seq: int, time: float, src: str, dst: str, corr: int | None, cause: int | None, event: Any
+) -> str:
     record = {
         "seq": seq,
         "time": time,
         "src": src,
         "dst": dst,
         "corr": corr,
+        "cause": cause,
         "event": codec.encode(event),
     }
     return ENCODER.encode(record)

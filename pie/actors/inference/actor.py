@@ -10,7 +10,7 @@ from typing import Any
 import trio
 from attrs import frozen
 
-from pie.actors.runtime import Actor, Router
+from pie.actors.runtime import CAUSE, Actor, Router
 from pie.dataplane import (
     BatchFormer,
     BatchStatistics,
@@ -64,6 +64,8 @@ class InferenceActor(Actor):
         self._loop = PassLoop(driver, lanes, former, self._from_thread, speech)
         self._token: trio.lowlevel.TrioToken | None = None
         self._partial: dict[int, list[tuple[int, SlotOutput]]] = {}
+        self._placed: dict[int, int | None] = {}
+        """The seq of each request's ScheduleForward: the cause of its outcome's events."""
         self._failures = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -90,6 +92,7 @@ class InferenceActor(Actor):
             self._token.run_sync_soon(self._finished, report)
 
     async def handle(self, event: Any) -> None:
+        self._placed[event.request.corr] = CAUSE.get()
         self._loop.submit(event.request)
 
     def handler_failed(self, event: Any, exc: Exception) -> None:
@@ -116,10 +119,10 @@ class InferenceActor(Actor):
                 context=request.context,
                 outputs=tuple(out for _, out in gathered),
             )
-            self.router.send_nowait(
-                self.address, self.kv, PassApplied(corr=request.corr, context=request.context)
-            )
-            self.router.send_nowait(self.address, request.requester, reply)
+            cause = self._placed.pop(request.corr, None)
+            applied = PassApplied(corr=request.corr, context=request.context)
+            self.router.send_nowait(self.address, self.kv, applied, cause=cause)
+            self.router.send_nowait(self.address, request.requester, reply, cause=cause)
 
     def _fail(self, request: ForwardRequest, err: Exception, kind: str | None = None) -> None:
         self._failures += 1
@@ -128,11 +131,11 @@ class InferenceActor(Actor):
         if kind == "driver":
             print(f"pie: forward pass failed: {err!r}", file=sys.stderr)
         self._partial.pop(request.corr, None)
+        cause = self._placed.pop(request.corr, None)
         failed = RequestFailed(corr=request.corr, kind=kind, message=str(err))
-        self.router.send_nowait(
-            self.address, self.kv, PassApplied(corr=request.corr, context=request.context, ok=False)
-        )
-        self.router.send_nowait(self.address, request.requester, failed)
+        applied = PassApplied(corr=request.corr, context=request.context, ok=False)
+        self.router.send_nowait(self.address, self.kv, applied, cause=cause)
+        self.router.send_nowait(self.address, request.requester, failed, cause=cause)
 
     def statistics(self) -> InferenceStatistics:
         loop = self._loop

@@ -65,7 +65,9 @@ class TrioBridge:
 
     def _send(self, dst: str, event: Any) -> None:
         try:
-            delivered = self._router.send_nowait(self._address, dst, event)
+            # The program decided on what it had received: its latest delivery caused this.
+            cause = self._router.last_delivered(self._address) or None
+            delivered = self._router.send_nowait(self._address, dst, event, cause=cause)
             reason = f"nothing listens at {dst!r}"
         except MailboxOverrun as exc:
             delivered, reason = False, str(exc)
