@@ -49,7 +49,8 @@ def test_generate_log_and_replay(tmp_path: Path, default_model_dir: Path) -> Non
 
     replayed = pie("replay", str(log_path))
     assert replayed.returncode == 0, replayed.stdout
-    assert "0 mismatches" in replayed.stdout and "pages free 64/64" in replayed.stdout
+    assert "kv: replayed" in replayed.stdout and "pages free 64/64" in replayed.stdout
+    assert replayed.stdout.count(": exact") == 4, replayed.stdout
 
 
 @pytest.mark.integration

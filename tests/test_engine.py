@@ -318,8 +318,8 @@ async def test_replaying_the_json_lines_file_after_close_is_exact(tmp_path: Path
     with trio.fail_after(10):
         async with open_engine(config, driver=driver) as engine:
             await busy_day(engine)
-            assert engine.log is not None
-            in_memory = engine.log.records()
+    assert engine.log is not None
+    in_memory = engine.log.records()  # the last former steps are recorded as the engine stops
     on_disk = list(read_log(path))
     assert [e.seq for e in on_disk] == [e.seq for e in in_memory]
     assert [e.event for e in on_disk] == [e.event for e in in_memory]

@@ -129,7 +129,7 @@ async def test_every_address_the_engine_wires_declares_the_events_it_accepts(
             outcome = await run.outcome()
     assert outcome.ok
     assert set(wired) == {
-        *("kv", "inference", "bus", "http", "mcp", "inferlets"),
+        *("kv", "inference", "inference.former", "bus", "http", "mcp", "inferlets"),
         *("cli", instance),
     }
     for address, accepted in wired.items():

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +20,7 @@ import pytest
 from pie.client import SessionMessage, connect
 from pie.client.local import LocalServer
 from pie.drivers.tokenizer import Tokenizer
+from pie.eventlog import read_log
 from scenarios._support import TEXT_COMPLETION, build, result_of
 from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 
@@ -44,20 +48,27 @@ def cache_folder(
 
 
 @pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the server keeps across restarts, and its event log (events.jsonl)."""
+    return tmp_path_factory.mktemp("pie-serve-state")
+
+
+@pytest.fixture(scope="module")
 def server(
     default_model_dir: Path,  # noqa: F811
     pytestconfig: pytest.Config,
     tmp_path_factory: pytest.TempPathFactory,
+    state: Path,
 ) -> Iterator[LocalServer]:
     """`pie serve` on the default model; compiled components stay in pytest's cache, while what
     the server keeps across restarts (installed programs, named snapshots) starts afresh."""
     components = cache_folder(pytestconfig, tmp_path_factory, "pie-serve")
     env = {**os.environ, "PIE_CACHE_DIR": str(components)}
-    state = tmp_path_factory.mktemp("pie-serve-state")
     config = state / "pie.toml"
     config.write_text(
         f'[server]\nprograms_dir = "{state / "programs"}"\n'
         f'[kv]\nsnapshots_dir = "{state / "snapshots"}"\n'
+        f'[event_log]\npath = "{state / "events.jsonl"}"\n'
     )
     local = LocalServer.start(default_model_dir, env=env, args=["--config", str(config)])
     try:
@@ -150,3 +161,40 @@ def test_swarm_pipeline_runs_every_agent_and_the_watcher_sees_it(
     senders = {message["sender"] for message in report["watched"]}
     assert len(senders) == len(report["agents"]) == 6
     assert report["answer"] == report["watched"][-1]["text"] != ""
+
+
+def test_the_recorded_swarm_replays_exactly_through_every_core(
+    server: LocalServer, state: Path
+) -> None:
+    """Everything the server ran so far (the swarm's agents, their bus traffic, the chat and the
+    many clients) is in its event log; `pie replay` rebuilds every pure core from it."""
+    log = _quiet_log(state / "events.jsonl")
+    replayed = _pie("replay", str(log))
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    lines = replayed.stdout.splitlines()
+    names = [line.split(":")[0] for line in lines if not line.startswith(" ")]
+    assert names == ["kv", "bus", "inferlets", "inference.former"], replayed.stdout
+    assert all(": exact" in line for line in lines), replayed.stdout
+    counts = {line.split(":")[0]: int(line.split("replayed ")[1].split()[0]) for line in lines}
+    assert min(counts.values()) > 10, counts  # the bus carried the swarm's messages
+
+    launch = next(e for e in read_log(log) if type(e.event).__name__ == "LaunchInferlet")
+    tree = _pie("log", str(log), "--tree", str(launch.seq), "--limit", "400")
+    assert tree.returncode == 0 and "[0]" in tree.stdout and "[3]" in tree.stdout, tree.stdout
+
+
+def _quiet_log(log: Path) -> Path:
+    """The server's event log once its writer has caught up (its size stops changing)."""
+    size, deadline = -1, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if log.stat().st_size == size:
+            return log
+        size = log.stat().st_size
+    raise AssertionError("the event log kept growing")
+
+
+def _pie(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pie.cli", *args], capture_output=True, text=True, timeout=300
+    )

@@ -74,36 +74,28 @@ def _describe(event: Any) -> str:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from pie.actors.kv import KvCore
+    """Replays every pure core (or those of `--actor`) and reports each by name: exit 0 when
+    all are exact, 1 on a mismatch, 2 when the log cannot be replayed."""
+    from pie.engine.replay import NotReplayable, replay_cores
     from pie.eventlog import LogGap, read_log
-    from pie.eventlog.replay import replay
-    from pie.events.batching import EngineStarted
 
     try:
-        envelopes = list(read_log(args.file))
+        replays = replay_cores(read_log(args.file), args.actor)
     except LogGap as gap:
         print(f"pie: cannot replay an incomplete log: {gap}", file=sys.stderr)
         return 2
-    started = next((e.event for e in envelopes if isinstance(e.event, EngineStarted)), None)
-    if started is None:
-        print("pie: the log has no EngineStarted record", file=sys.stderr)
+    except NotReplayable as missing:
+        print(f"pie: {missing}", file=sys.stderr)
         return 2
-    core = KvCore(
-        num_pages=started.num_pages,
-        page_size=started.page_size,
-        vocab_size=started.vocab_size,
-        prefix_cache=started.prefix_cache,
-        sliding_window=started.sliding_window,
-        adapters=started.adapters,
-    )
-    result = replay(envelopes, args.actor, core)
-    stats = core.statistics()
-    print(
-        f"replayed {result.inputs} inputs to {args.actor!r}: {result.outputs} outputs, "
-        f"{len(result.mismatches)} mismatches; "
-        f"final pages free {stats.pages_free}/{stats.pages_total}, "
-        f"contexts {stats.contexts}, snapshots {stats.snapshots}"
-    )
-    for line in result.mismatches[:20]:
-        print(f"  {line}")
-    return 0 if result.exact else 1
+    for done in replays:
+        result = done.result
+        verdict = "exact" if result.exact else f"{len(result.mismatches)} mismatches"
+        if result.undelivered:
+            verdict += f" ({result.undelivered} outputs to addresses already gone)"
+        print(
+            f"{done.name}: replayed {result.inputs} inputs, {result.outputs} outputs: "
+            f"{verdict}; {done.summary}"
+        )
+        for line in result.mismatches[:20]:
+            print(f"  {line}")
+    return 0 if all(done.result.exact for done in replays) else 1

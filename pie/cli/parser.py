@@ -170,9 +170,15 @@ def add_log_parsers(commands: Commands) -> None:
         "--root", action="store_true", help="with --tree: start from the first cause of SEQ"
     )
 
-    replay = commands.add_parser("replay", help="replay an actor's inputs from an event log")
+    replay = commands.add_parser(
+        "replay", help="replay the engine's pure cores from an event log and check them"
+    )
     replay.add_argument("file")
-    replay.add_argument("--actor", default="kv", choices=["kv"])
+    replay.add_argument(
+        "--actor",
+        choices=["kv", "bus", "inferlets", "former"],
+        help="only this kind of core (default: all of them)",
+    )
 
 
 def add_bench_parsers(commands: Commands) -> None:

@@ -235,6 +235,10 @@ class BatchFormer:
         self._max_size = max(self._max_size, size)
         self._histogram[size] += 1
 
+    def flush(self) -> None:
+        """Hands what was recorded to whoever keeps it (a recording former; this one keeps
+        nothing)."""
+
     def statistics(self) -> BatchStatistics:
         passes = self._requests + self._lane_passes
         return BatchStatistics(

@@ -124,8 +124,14 @@ class PassLoop:
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
+            self.former.flush()
             self._cond.notify_all()
         self._outbox.stop()
+
+    def flush_former(self) -> None:
+        """Hands what the former recorded since the last pass to its sink now (any thread)."""
+        with self._cond:
+            self.former.flush()
 
     def submit(self, request: ForwardRequest) -> None:
         """A request the kv actor placed, for the former to put in a pass (any thread)."""

@@ -33,6 +33,7 @@ from pie.config import (
 from pie.dataplane import BatchStatistics, SpeculationStatistics
 from pie.drivers.base import Driver, DriverInfo
 from pie.drivers.memory import MemoryUse, memory_use
+from pie.engine.records import record_start
 from pie.engine.stack import ModelStack, build_stack
 from pie.eventlog import EventLog
 from pie.grammar import GrammarLimits, Grammars
@@ -205,8 +206,14 @@ class Engine:
 
     async def _start(self) -> None:
         if self.log is not None:
-            for stack in self.models:
-                self.log.append("engine", "engine", stack.started(self.config))
+            count = len(self.models)
+            record_start(
+                self.log,
+                [stack.started(self.config, count) for stack in self.models],
+                self.config,
+                self.inferlets.core.limits,
+                self.programs,
+            )
         self.wasm.start()
         stacks = [actor for m in self.models for actor in (m.inference, m.kv)]
         for actor in (*stacks, self.bus, self.http, self.mcp, self.inferlets):
@@ -275,6 +282,8 @@ class Engine:
 
     def _close(self) -> None:
         self.wasm.close()
+        for stack in self.models:
+            stack.inference.flush_former()
         self.router.close()
         if self.log is not None:
             self.log.close()

@@ -18,8 +18,9 @@ from pie.actors.kv.durable import SnapshotStore
 from pie.actors.runtime import Router
 from pie.config import EngineConfig
 from pie.dataplane import BatchFormer, BatchPolicy, Lanes, Speaker, SpeechDesk
+from pie.dataplane.tape import RecordingFormer
 from pie.drivers.base import Driver, DriverInfo
-from pie.events.batching import EngineStarted
+from pie.events.batching import EngineStarted, FormerStep, FormerSteps
 
 Elsewhere = Callable[[tuple[str, str]], str | None]
 
@@ -48,8 +49,9 @@ class ModelStack:
     def kv_address(self) -> str:
         return self.kv.address
 
-    def started(self, config: EngineConfig) -> EngineStarted:
-        """The log's record of what this model's kv core and batch former were built with."""
+    def started(self, config: EngineConfig, count: int) -> EngineStarted:
+        """The log's record of what this model's kv core and batch former were built with
+        (`count`: the models the engine serves)."""
         return EngineStarted(
             model=self.name,
             vocab_size=self.info.vocab_size,
@@ -60,6 +62,8 @@ class ModelStack:
             prefix_cache=config.kv.prefix_cache,
             sliding_window=self.info.sliding_window,
             adapters=self.info.adapters,
+            index=self.index,
+            count=count,
         )
 
 
@@ -87,22 +91,7 @@ def build_stack(
         max_batch_requests=min(scheduler.max_batch_requests, info.max_batch_requests),
         decode_tokens=scheduler.decode_tokens,
     )
-    core = KvCore(
-        num_pages=info.num_pages,
-        page_size=info.page_size,
-        vocab_size=info.vocab_size,
-        data_plane=inference_address,
-        prefix_cache=config.kv.prefix_cache,
-        sliding_window=info.sliding_window,
-        adapters=info.adapters,
-        quotas=_quotas(config, info.num_pages),
-        outputs=OutputLimits(
-            max_slots=scheduler.max_slots_per_pass, max_values=scheduler.max_probe_values
-        ),
-        context_ids=(index + 1, count),
-        model=info.model_name,
-        elsewhere=elsewhere,
-    )
+    core = kv_core(config, info, index=index, count=count, elsewhere=elsewhere)
     store = _store(config, index, info.model_name)
     media = getattr(driver, "media", None)
     kv = KvActor(core, router, store, address=kv_address, media=media)
@@ -115,12 +104,13 @@ def build_stack(
         address=kv_address,
     )
     speech = _speech_desk(driver, lanes)
+    former = _former(router, policy, inference_address, info.model_name, inference)
     inference.append(
         InferenceActor(
             driver,
             router,
             lanes,
-            BatchFormer(policy),
+            former,
             kv=kv_address,
             address=inference_address,
             speech=speech,
@@ -153,6 +143,55 @@ def _store(config: EngineConfig, index: int, name: str) -> SnapshotStore | None:
         return None
     root = Path(config.kv.snapshots_dir)
     return SnapshotStore(root if index == 0 else Path(f"{root}.{quote(name, safe='')}"))
+
+
+def kv_core(
+    config: EngineConfig,
+    info: Any,
+    *,
+    index: int,
+    count: int,
+    elsewhere: Elsewhere | None = None,
+) -> KvCore:
+    """The kv core of the model at `index` of `count`; `info` has the driver's figures
+    (model_name, num_pages, page_size, vocab_size, sliding_window, adapters)."""
+    scheduler = config.scheduler
+    return KvCore(
+        num_pages=info.num_pages,
+        page_size=info.page_size,
+        vocab_size=info.vocab_size,
+        data_plane=addresses(index, info.model_name)[1],
+        prefix_cache=config.kv.prefix_cache,
+        sliding_window=info.sliding_window,
+        adapters=info.adapters,
+        quotas=_quotas(config, info.num_pages),
+        outputs=OutputLimits(
+            max_slots=scheduler.max_slots_per_pass, max_values=scheduler.max_probe_values
+        ),
+        context_ids=(index + 1, count),
+        model=info.model_name,
+        elsewhere=elsewhere,
+    )
+
+
+def former_address(inference_address: str) -> str:
+    """Where a model's batch former records its steps in the event log."""
+    return f"{inference_address}.former"
+
+
+def _former(
+    router: Router, policy: BatchPolicy, inference_address: str, model: str, inference: list[Any]
+) -> BatchFormer:
+    """A former that records its steps into the event log when there is one."""
+    if router.log is None:
+        return BatchFormer(policy)
+    address = former_address(inference_address)
+    router.register_handler(address, FormerSteps, lambda _: None)
+
+    def sink(steps: tuple[FormerStep, ...]) -> None:
+        inference[0].post([(address, FormerSteps(model=model, steps=steps))])
+
+    return RecordingFormer(policy, sink)
 
 
 def _quotas(config: EngineConfig, num_pages: int) -> Quotas:

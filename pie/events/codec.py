@@ -20,6 +20,7 @@ from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
 from pie.events import ALL_EVENTS
+from pie.events.batching import FormerStep
 from pie.events.sampling import SlotOp, SlotOutput
 
 TAG = "type"
@@ -93,6 +94,7 @@ converter.register_structure_hook(bool, _exact(bool))
 converter.register_structure_hook_factory(_is_homogeneous_tuple, _array_tuple)
 _tagged(SlotOp, converter)
 _tagged(SlotOutput, converter)
+_tagged(FormerStep, converter)
 
 _BY_NAME: dict[str, type] = {cls.__name__: cls for cls in ALL_EVENTS}
 

@@ -23,6 +23,18 @@ class IncomingRequest:
 
 
 @frozen(kw_only=True)
+class ProgramRegistered:
+    """A program was bound to a name (a log record, not a delivery's payload): the inferlet
+    core resolves launches against these, so replay rebinds them in the same order."""
+
+    hash: str
+    name: str
+    version: str
+    owner: str | None
+    size: int
+
+
+@frozen(kw_only=True)
 class LaunchInferlet:
     """Run `program` (a name, name@version or content hash) with `input`, or, given `request`,
     call its `handle` export with that request.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any
 
 import trio
@@ -63,6 +64,7 @@ class InferenceActor(Actor):
         self.kv = kv
         self._loop = PassLoop(driver, lanes, former, self._from_thread, speech)
         self._token: trio.lowlevel.TrioToken | None = None
+        self._trio_thread = 0
         self._partial: dict[int, list[tuple[int, SlotOutput]]] = {}
         self._placed: dict[int, int | None] = {}
         """The seq of each request's ScheduleForward: the cause of its outcome's events."""
@@ -70,6 +72,7 @@ class InferenceActor(Actor):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
+        self._trio_thread = threading.get_ident()
         self._loop.start()
         try:
             await super().run(task_status=task_status)
@@ -77,8 +80,12 @@ class InferenceActor(Actor):
             self._loop.stop()
 
     def post(self, events: list[tuple[str, Any]]) -> None:
-        """Sends events made on another thread, in order, from this address (any thread)."""
+        """Sends events, in order, from this address (any thread; on the Trio thread at once,
+        as when the pass loop stops)."""
         assert self._token is not None, "the inference actor is not running"
+        if threading.get_ident() == self._trio_thread:
+            self._route(events)
+            return
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(self._route, events)
 
@@ -151,6 +158,10 @@ class InferenceActor(Actor):
 
     def batch_statistics(self) -> BatchStatistics:
         return self._loop.batch_statistics()
+
+    def flush_former(self) -> None:
+        """Records what the batch former decided since the last pass (before the log closes)."""
+        self._loop.flush_former()
 
     def observe_passes(self, observer: PassObserver) -> None:
         """Tells `observer` about every pass after it ran (on the data plane's threads)."""

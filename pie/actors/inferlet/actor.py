@@ -16,7 +16,7 @@ from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
 from pie.actors.inferlet.files import FileLayout, InstanceFiles
 from pie.actors.inferlet.programs import Program
 from pie.actors.requester import REPLIES
-from pie.actors.runtime import Actor, MailboxOverrun, Router
+from pie.actors.runtime import CAUSE, Actor, MailboxOverrun, Router
 from pie.dataplane.lanes import Lanes
 from pie.events import bus as bus_ev
 from pie.events import inferlet as ev
@@ -56,6 +56,9 @@ class TrioBridge:
         self._router = router
         self._address = address
         self.state: InstanceState | None = None
+        self._started_by = CAUSE.get()
+        """What started the instance (its launch, or the end that freed its slot): the cause of
+        its first commands."""
 
     def post(self, dst: str, event: Any) -> None:
         try:
@@ -66,7 +69,7 @@ class TrioBridge:
     def _send(self, dst: str, event: Any) -> None:
         try:
             # The program decided on what it had received: its latest delivery caused this.
-            cause = self._router.last_delivered(self._address) or None
+            cause = self._router.last_delivered(self._address) or self._started_by
             delivered = self._router.send_nowait(self._address, dst, event, cause=cause)
             reason = f"nothing listens at {dst!r}"
         except MailboxOverrun as exc:

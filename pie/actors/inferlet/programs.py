@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
 from attrs import frozen
 
@@ -50,6 +51,8 @@ class ProgramRegistry:
         self._wasm: dict[str, bytes] = {}
         self._names: dict[Owner, dict[str, dict[str, str]]] = {}
         self._labels: dict[tuple[Owner, str], tuple[str, str]] = {}
+        self.on_add: Callable[[ProgramInfo, Owner], None] | None = None
+        """Told of every binding `add` makes, on the thread that made it (the event log)."""
 
     def add(
         self,
@@ -77,7 +80,19 @@ class ProgramRegistry:
         versions[version] = digest
         self._wasm.setdefault(digest, wasm)
         self._labels.setdefault((owner, digest), (name, version))
-        return ProgramInfo(hash=digest, name=name, version=version, size=len(wasm))
+        info = ProgramInfo(hash=digest, name=name, version=version, size=len(wasm))
+        if self.on_add is not None:
+            self.on_add(info, owner)
+        return info
+
+    def bindings(self) -> list[tuple[ProgramInfo, Owner]]:
+        """Every name@version bound so far, with its owner (grouped by owner)."""
+        return [
+            (self._info(digest, name, version), owner)
+            for owner, names in self._names.items()
+            for name, versions in names.items()
+            for version, digest in versions.items()
+        ]
 
     def check_free(self, name: str, version: str, digest: str, *, owner: Owner = None) -> None:
         """Raises NameTaken when `owner` has `name@version` bound to bytes other than `digest`."""
