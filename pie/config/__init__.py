@@ -1,6 +1,6 @@
 """Engine configuration: a TOML file with sections [model] (or [[models]]), [driver], [kv],
 [scheduler], [event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar],
-[media].
+[media], [dashboard].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -17,6 +17,7 @@ import cattrs
 from attrs import frozen
 from cattrs.v import format_exception
 
+from pie.config.dashboard_section import DashboardConfig
 from pie.config.engine_sections import (
     DEFAULT_MODEL,
     BusConfig,
@@ -59,6 +60,7 @@ class EngineConfig:
     http: HttpConfig = HttpConfig()
     grammar: GrammarConfig = GrammarConfig()
     media: MediaConfig = MediaConfig()
+    dashboard: DashboardConfig = DashboardConfig()
     models: tuple[ModelConfig, ...] = ()
     """[[models]]: several models served side by side, the first the default (which `model`
     then is too); empty: [model] alone."""
@@ -165,6 +167,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "BusConfig",
     "ConfigError",
+    "DashboardConfig",
     "DriverConfig",
     "EngineConfig",
     "EventLogConfig",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,6 +18,8 @@ from pie.eventlog.records import Envelope, Gap, Row
 from pie.eventlog.writer import FileWriter, WriterStatistics
 
 __all__ = ["Envelope", "EventLog", "EventLogStatistics", "LogGap", "read_entries", "read_log"]
+
+log = logging.getLogger(__name__)
 
 
 class LogGap(ValueError):
@@ -66,6 +69,7 @@ class EventLog:
         )
         self._writer = self._file
         """The file writer while it takes records: None once closed."""
+        self._listeners: tuple[Callable[[Row], None], ...] = ()
 
     def append(self, src: str, dst: str, event: Any, cause: int | None = None) -> int:
         """Records a delivery, and the seq of the delivery that caused it; returns its seq."""
@@ -76,12 +80,35 @@ class EventLog:
         self._ring.append(row if kept is event else (self._seq, now, src, dst, cause, kept))
         if self._writer is not None:
             self._writer.submit(row)
+        if self._listeners:
+            self._tell(self._ring[-1])
         return self._seq
 
     @property
     def next_seq(self) -> int:
         """The seq the next `append` will take."""
         return self._seq + 1
+
+    # -- listeners ---------------------------------------------------------------------------
+
+    def listen(self, listener: Callable[[Row], None]) -> Callable[[], None]:
+        """Calls `listener(row)` with every later envelope as the ring keeps it, on the appending
+        (Trio) thread: it must be quick and must not block. Returns what stops it; a listener
+        that raises is logged and stopped."""
+        self._listeners = (*self._listeners, listener)
+
+        def stop() -> None:
+            self._listeners = tuple(f for f in self._listeners if f is not listener)
+
+        return stop
+
+    def _tell(self, row: Row) -> None:
+        for listener in self._listeners:
+            try:
+                listener(row)
+            except Exception:  # a broken listener must not fail the delivery it heard of
+                log.exception("an event log listener failed; it hears no more")
+                self._listeners = tuple(f for f in self._listeners if f is not listener)
 
     def records(self) -> list[Envelope]:
         """The envelopes in the ring, oldest first."""

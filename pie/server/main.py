@@ -13,8 +13,10 @@ import trio
 from pie.config import EngineConfig
 from pie.engine import Engine, open_engine, with_snapshots_dir
 from pie.server.app import Server
+from pie.server.dashboard import Dashboard
 from pie.server.http import HttpFront
 from pie.server.mounts import prepare_mounts
+from pie.server.routes import Route
 
 
 async def serve(
@@ -54,9 +56,24 @@ async def _start_http(
         users=server.users if server.auth_required else None,
         credential_check_seconds=config.server.credential_check_seconds,
         shutdown_seconds=config.server.shutdown_seconds,
+        routes=_dashboard_routes(engine, config, server),
     )
     await nursery.start(front.run)
     return front
+
+
+def _dashboard_routes(engine: Engine, config: EngineConfig, server: Server) -> tuple[Route, ...]:
+    """The live dashboard's pages, when [dashboard] enabled."""
+    if not config.dashboard.enabled:
+        return ()
+    dashboard = Dashboard(
+        engine,
+        config.dashboard,
+        users=server.users if server.auth_required else None,
+        stopping=lambda: server.stopping,
+        credential_check_seconds=config.server.credential_check_seconds,
+    )
+    return dashboard.routes()
 
 
 async def _on_signals(

@@ -37,6 +37,19 @@ class InferletStatistics:
 
 
 @frozen(kw_only=True)
+class InstanceListing:
+    """One instance as an operator sees it (the dashboard); `state`: queued, running or
+    stopping."""
+
+    id: str
+    user: str
+    program: ProgramInfo
+    state: str
+    launcher: str
+    depth: int
+
+
+@frozen(kw_only=True)
 class AdmissionLimits:
     """How many instances may exist and run ([sandbox] settings); 0 is no limit where noted."""
 
@@ -341,6 +354,20 @@ class InferletCore:
         for instance in list(self.instances.values()):
             out.extend(self._stop_child(instance, reason))
         return out
+
+    def listing(self) -> tuple[InstanceListing, ...]:
+        """Every instance, queued ones included, oldest first."""
+        return tuple(
+            InstanceListing(
+                id=i.id,
+                user=i.user,
+                program=i.program,
+                state=i.state,
+                launcher=i.launcher,
+                depth=i.depth,
+            )
+            for i in self.instances.values()
+        )
 
     @property
     def running(self) -> int:
