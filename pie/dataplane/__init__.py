@@ -13,7 +13,7 @@ from pie.dataplane.former import (
     LaneState,
 )
 from pie.dataplane.lanes import Lanes
-from pie.dataplane.loop import PassLoop, PassReport, PassTimes
+from pie.dataplane.loop import PassLoop, PassObserver, PassReport, PassSummary, PassTimes
 from pie.dataplane.speculator import SpeculationStatistics, Speculator
 from pie.dataplane.speech import Speaker, SpeechDesk, SpeechStatistics
 
@@ -25,7 +25,9 @@ __all__ = [
     "LaneState",
     "Lanes",
     "PassLoop",
+    "PassObserver",
     "PassReport",
+    "PassSummary",
     "PassTimes",
     "SpeculationStatistics",
     "Speculator",

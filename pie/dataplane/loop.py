@@ -43,6 +43,29 @@ class PassReport:
 
 Work = tuple[FormedPass, list[LanePass]]
 
+PassObserver = Callable[["PassSummary"], None]
+
+
+@frozen(kw_only=True)
+class PassSummary:
+    """One pass as its observers see it (metrics, traces, the dashboard), told after it ran."""
+
+    number: int
+    ended: float
+    """Wall-clock time (`time.time()`) at the end of the driver's forward."""
+    seconds: float
+    requests: int
+    """Placed requests (or chunks of them) it ran."""
+    lane_passes: int
+    tokens: int
+    corrs: tuple[int, ...]
+    """The correlation ids of its placed requests (the event log's `corr`)."""
+    failed: int
+    """Placed requests and lane passes it failed."""
+    requesters: tuple[str, ...] = ()
+    """The addresses whose placed requests and lane passes it ran, each once (a trace links
+    the pass to their launches)."""
+
 
 @frozen(kw_only=True)
 class PassTimes:
@@ -89,6 +112,12 @@ class PassLoop:
         """Apart from `_times`, which the driver thread writes: the outbox thread writes this."""
         self._thread: threading.Thread | None = None
         self._outbox = _Outbox()
+        self._observers: tuple[PassObserver, ...] = ()
+
+    def observe(self, observer: PassObserver) -> None:
+        """Calls `observer(summary)` after every pass, on the thread that settles it. It must be
+        quick and must not block; an observer that raises is reported and dropped."""
+        self._observers = (*self._observers, observer)
 
     def start(self) -> None:
         self._outbox.start()
@@ -165,6 +194,7 @@ class PassLoop:
         started = time.perf_counter()
         results, lane_outputs = self._forward(requests, lane_passes)
         ended = time.perf_counter()
+        wall = time.time()
         self.last_seconds = seconds = ended - started
         effects: list[Effects] = []
         with self._lock:
@@ -176,7 +206,9 @@ class PassLoop:
                 self._requests_ended(requests, results, effects)
             self._times["complete"] += time.perf_counter() - completing
             taken, _ = self._next_work()
-        settle = functools.partial(self._settle, formed, lane_passes, results, effects, seconds)
+        settle = functools.partial(
+            self._settle, formed, lane_passes, results, lane_outputs, effects, seconds, wall
+        )
         # When the next pass starts at once, the outbox settles this one while it runs;
         # otherwise this thread does it now, after anything the outbox still holds.
         if taken is not None or not self._outbox.idle():
@@ -206,21 +238,48 @@ class PassLoop:
         formed: FormedPass,
         lane_passes: list[LanePass],
         results: list[list[SlotOutput] | Exception],
+        lane_outputs: Sequence[SlotOutput | None],
         effects: list[Effects],
         seconds: float,
+        wall: float,
     ) -> None:
-        """Deliveries, posts, the report and counters of a pass that took `seconds`."""
+        """Deliveries, posts, the report, counters and observers of a pass that took
+        `seconds` and ended at `wall`."""
         settling = time.perf_counter()
         requests = formed.requests
         self.passes += 1
         self.lane_passes += len(lane_passes)
         self.busy_seconds += seconds
-        self.tokens += len(lane_passes) + sum(len(r.tokens) for r in requests)
+        tokens = len(lane_passes) + sum(len(r.tokens) for r in requests)
+        self.tokens += tokens
         for batch in effects:
             self.lanes.run(batch)
         if requests:
             self._report(PassReport(formed.batch, requests, results, seconds))
+        if self._observers:
+            failed = sum(isinstance(r, Exception) for r in results)
+            failed += sum(out is None for out in lane_outputs)
+            summary = PassSummary(
+                number=self.passes,
+                ended=wall,
+                seconds=seconds,
+                requests=len(requests),
+                lane_passes=len(lane_passes),
+                tokens=tokens,
+                corrs=tuple(r.corr for r in requests),
+                failed=failed,
+                requesters=_requesters(requests, lane_passes),
+            )
+            self._tell(summary)
         self._settle_seconds += time.perf_counter() - settling
+
+    def _tell(self, summary: PassSummary) -> None:
+        for observer in self._observers:
+            try:
+                observer(summary)
+            except Exception:  # a broken observer must not stop the passes
+                traceback.print_exc(file=sys.stderr)
+                self._observers = tuple(o for o in self._observers if o is not observer)
 
     def _forward(
         self, requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
@@ -294,6 +353,13 @@ class _Outbox:
                 traceback.print_exc(file=sys.stderr)
             finally:
                 self._done += 1
+
+
+def _requesters(
+    requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
+) -> tuple[str, ...]:
+    given = [r.requester for r in requests] + [p.lane.lease.requester for p in lane_passes]
+    return tuple(dict.fromkeys(given))
 
 
 def _batch(requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]) -> ForwardBatch:

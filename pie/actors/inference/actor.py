@@ -16,6 +16,7 @@ from pie.dataplane import (
     BatchStatistics,
     Lanes,
     PassLoop,
+    PassObserver,
     PassReport,
     PassTimes,
     SpeechDesk,
@@ -147,3 +148,7 @@ class InferenceActor(Actor):
 
     def batch_statistics(self) -> BatchStatistics:
         return self._loop.batch_statistics()
+
+    def observe_passes(self, observer: PassObserver) -> None:
+        """Tells `observer` about every pass after it ran (on the data plane's threads)."""
+        self._loop.observe(observer)
