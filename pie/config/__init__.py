@@ -1,6 +1,6 @@
 """Engine configuration: a TOML file with sections [model] (or [[models]]), [driver], [kv],
 [scheduler], [event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar],
-[media], [dashboard].
+[media], [dashboard], [tracing].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -37,6 +37,7 @@ from pie.config.service_sections import (
     NetworkConfig,
     ServerConfig,
 )
+from pie.config.tracing_section import TracingConfig
 
 
 def default_cache_dir() -> Path:
@@ -61,6 +62,7 @@ class EngineConfig:
     grammar: GrammarConfig = GrammarConfig()
     media: MediaConfig = MediaConfig()
     dashboard: DashboardConfig = DashboardConfig()
+    tracing: TracingConfig = TracingConfig()
     models: tuple[ModelConfig, ...] = ()
     """[[models]]: several models served side by side, the first the default (which `model`
     then is too); empty: [model] alone."""
@@ -104,7 +106,15 @@ def _integer(data: Any, _: Any) -> int:
     return data
 
 
+def _boolean(data: Any, _: Any) -> bool:
+    # bool is a subclass of int, so without its own hook a boolean key would take _integer's.
+    if type(data) is not bool:
+        raise ValueError(f"expected true or false, got {data!r}")
+    return data
+
+
 _converter.register_structure_hook(int, _integer)
+_converter.register_structure_hook(bool, _boolean)
 _structure_mcp_server = _converter.get_structure_hook(McpServerConfig)
 
 
@@ -182,6 +192,7 @@ __all__ = [
     "SandboxConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "TracingConfig",
     "config_from_dict",
     "default_cache_dir",
     "load_config",

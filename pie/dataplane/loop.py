@@ -62,6 +62,9 @@ class PassSummary:
     """The correlation ids of its placed requests (the event log's `corr`)."""
     failed: int
     """Placed requests and lane passes it failed."""
+    requesters: tuple[str, ...] = ()
+    """The addresses whose placed requests and lane passes it ran, each once (a trace links
+    the pass to their launches)."""
 
 
 @frozen(kw_only=True)
@@ -271,6 +274,7 @@ class PassLoop:
                 tokens=tokens,
                 corrs=tuple(r.corr for r in requests),
                 failed=failed,
+                requesters=_requesters(requests, lane_passes),
             )
             self._tell(summary)
         self._settle_seconds += time.perf_counter() - settling
@@ -355,6 +359,13 @@ class _Outbox:
                 traceback.print_exc(file=sys.stderr)
             finally:
                 self._done += 1
+
+
+def _requesters(
+    requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
+) -> tuple[str, ...]:
+    given = [r.requester for r in requests] + [p.lane.lease.requester for p in lane_passes]
+    return tuple(dict.fromkeys(given))
 
 
 def _batch(requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]) -> ForwardBatch:

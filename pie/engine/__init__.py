@@ -6,7 +6,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from attrs import frozen
@@ -43,6 +43,9 @@ from pie.net.quota import FetchQuota
 from pie.sandbox import SandboxLimits, WasmRuntime
 from pie.sandbox.host import ModelView
 from pie.sandbox.host.records import SpeechHolds, SpeechLimits
+
+if TYPE_CHECKING:
+    from pie.observe.tracing import Tracing
 
 
 @frozen(kw_only=True)
@@ -101,6 +104,8 @@ class Engine:
             else None
         )
         self.router = Router(self.log)
+        self.tracing = _tracing(config)
+        """The engine's OpenTelemetry spans ([tracing]); None when off."""
         self._nursery = nursery
         self._corr = correlation_ids()
         self._names = itertools.count(1)
@@ -128,9 +133,14 @@ class Engine:
         self.lanes = default.lanes
         self.inference = default.inference
         self.policy = default.policy
+        if self.tracing is not None:
+            for stack in self.models:
+                stack.inference.observe_passes(self.tracing.record_pass(stack.name))
         self.bus = CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
-        self.http = HttpActor(_fetcher(config.network), self.router, _fetch_quota(config.network))
-        self.mcp = McpActor(config.mcp, self.router)
+        self.http = HttpActor(
+            _fetcher(config.network, self.tracing), self.router, _fetch_quota(config.network)
+        )
+        self.mcp = McpActor(config.mcp, self.router, tracing=self.tracing)
         self.programs = ProgramRegistry()
         self.wasm = WasmRuntime(
             Path(config.sandbox.cache_dir or default_cache_dir() / "components"),
@@ -202,6 +212,7 @@ class Engine:
             lanes=[m.lanes for m in self.models] if self.config.scheduler.fast_path else [],
             max_matchers=self.config.grammar.max_matchers_per_inferlet,
             max_media=self.config.media.max_items_per_inferlet,
+            tracing=self.tracing,
         )
 
     async def _start(self) -> None:
@@ -287,6 +298,8 @@ class Engine:
         self.router.close()
         if self.log is not None:
             self.log.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
 
 @contextlib.asynccontextmanager
@@ -375,14 +388,23 @@ def _fetch_quota(config: NetworkConfig) -> FetchQuota:
     )
 
 
-def _fetcher(config: NetworkConfig) -> Fetcher:
+def _tracing(config: EngineConfig) -> Tracing | None:
+    """The engine's spans ([tracing]); None when off, and OpenTelemetry is not even loaded."""
+    if not config.tracing.enabled:
+        return None
+    from pie.observe.tracing import Tracing
+
+    return Tracing(config.tracing)
+
+
+def _fetcher(config: NetworkConfig, tracing: Tracing | None = None) -> Fetcher:
     limits = Limits(
         timeout_seconds=config.timeout_seconds,
         max_response_bytes=int(config.max_response_mb * (1 << 20)),
         max_redirects=config.max_redirects,
     )
     policy = NetworkPolicy.parse(config.allow, config.deny)
-    return Fetcher(policy, limits, max_connections=config.max_connections)
+    return Fetcher(policy, limits, max_connections=config.max_connections, tracing=tracing)
 
 
 def _admission_limits(sandbox: SandboxConfig) -> AdmissionLimits:

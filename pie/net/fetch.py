@@ -13,13 +13,16 @@ import re
 import socket
 import urllib.parse
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpcore
 import trio
 from attrs import frozen
 
 from pie.net.policy import NetworkPolicy, Origin, parse_address
+
+if TYPE_CHECKING:
+    from pie.observe.tracing import Tracing
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -116,9 +119,18 @@ class _PolicyBackend(httpcore.AsyncNetworkBackend):
 class Fetcher:
     """One connection pool for every inferlet of an engine (Trio thread)."""
 
-    def __init__(self, policy: NetworkPolicy, limits: Limits, *, max_connections: int) -> None:
+    def __init__(
+        self,
+        policy: NetworkPolicy,
+        limits: Limits,
+        *,
+        max_connections: int,
+        tracing: Tracing | None = None,
+    ) -> None:
+        """`tracing`: the engine's spans, when on; each traced request gets one."""
         self.policy = policy
         self.limits = limits
+        self.tracing = tracing
         self._pool = httpcore.AsyncConnectionPool(
             max_connections=max_connections,
             network_backend=_PolicyBackend(policy, httpcore.TrioBackend()),
@@ -136,8 +148,28 @@ class Fetcher:
         *,
         timeout_seconds: float | None = None,
         max_redirects: int | None = None,
+        corr: int | None = None,
     ) -> Response:
-        """Runs one request, following redirects; raises FetchError."""
+        """Runs one request, following redirects; raises FetchError. `corr`: the request's
+        correlation id, under whose host-call span a traced request's span goes."""
+        if self.tracing is None or corr is None:
+            return await self._fetch(method, url, headers, body, timeout_seconds, max_redirects)
+        shown = {"http.request.method": method.upper(), "server.address": _host_of(url)}
+        with self.tracing.serving(corr, "pie.http.request", shown) as span:
+            response = await self._fetch(method, url, headers, body, timeout_seconds, max_redirects)
+            if span is not None:
+                span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _fetch(
+        self,
+        method: str,
+        url: str,
+        headers: Sequence[tuple[str, str]],
+        body: bytes,
+        timeout_seconds: float | None,
+        max_redirects: int | None,
+    ) -> Response:
         method = method.upper()
         if method not in METHODS:
             raise FetchError("invalid", f"unsupported method {method!r}")
@@ -223,6 +255,14 @@ class Fetcher:
 
 
 _CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
+
+
+def _host_of(url: str) -> str:
+    """The host a URL names (nothing else of it: its path or query may hold a secret)."""
+    try:
+        return urllib.parse.urlsplit(url).hostname or ""
+    except ValueError:
+        return ""
 
 
 def _say(exc: Exception) -> str:

@@ -86,6 +86,7 @@ class HttpActor(Actor):
                 request.body,
                 timeout_seconds=request.timeout_seconds,
                 max_redirects=request.max_redirects,
+                corr=request.corr,
             )
         except FetchError as exc:
             self._stats.failures += 1

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -35,6 +35,9 @@ from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet
 from pie.sandbox.host.media import release_all as release_media
 from pie.sandbox.host.speech import release_all as release_speech
 from pie.sandbox.wasm import record
+
+if TYPE_CHECKING:
+    from pie.observe.tracing import Tracing
 
 PROGRAM_INBOX = (
     REPLIES,
@@ -100,9 +103,10 @@ class InferletActor(Actor):
         lanes: Sequence[Lanes] = (),
         max_matchers: int = 64,
         max_media: int = 64,
+        tracing: Tracing | None = None,
     ) -> None:
         """`lanes`: each model's fast path (those of `models`' views), opened to every
-        instance."""
+        instance. `tracing`: the engine's spans, when on (a span per launch)."""
         super().__init__("inferlets", router, capacity=65536)
         self.lanes = tuple(lanes)
         self.core = core
@@ -117,6 +121,7 @@ class InferletActor(Actor):
         self._guest_niceness = guest_niceness
         self._max_matchers = max_matchers
         self._max_media = max_media
+        self.tracing = tracing
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
         self._kills: dict[str, KillSwitch] = {}
@@ -130,8 +135,13 @@ class InferletActor(Actor):
             task_status.started()
 
     async def handle(self, event: Any) -> None:
-        self.emit(self.core.handle(event))
+        self._emit(self.core.handle(event))
         self._apply()
+
+    def _emit(self, outputs: list[tuple[str, Any]]) -> None:
+        if self.tracing is not None:
+            _trace_launches(self.tracing, self.core, outputs)
+        self.emit(outputs)
 
     def _apply(self) -> None:
         assert self._nursery is not None
@@ -148,7 +158,7 @@ class InferletActor(Actor):
 
     def stop_all(self, reason: str) -> None:
         """Ends every queued and running instance (engine shutdown)."""
-        self.emit(self.core.stop_all(reason))
+        self._emit(self.core.stop_all(reason))
         self._apply()
 
     async def _run_instance(self, instance: Instance, kill: KillSwitch) -> None:
@@ -168,6 +178,7 @@ class InferletActor(Actor):
             subscriptions_bytes=self._subscription_bytes[1],
             max_matchers=self._max_matchers,
             max_media=self._max_media,
+            trace=None if self.tracing is None else self.tracing.launch(instance.id),
         )
         bridge.state = state
         if instance.request is not None:
@@ -314,6 +325,24 @@ class InferletActor(Actor):
 
     def statistics(self) -> InferletStatistics:
         return self.core.statistics()
+
+
+def _trace_launches(tracing: Tracing, core: InferletCore, outputs: list[tuple[str, Any]]) -> None:
+    """Starts the span of each launch accepted and ends that of each instance ended."""
+    for _, event in outputs:
+        if isinstance(event, ev.InferletLaunched):
+            instance = core.instances[event.instance]
+            tracing.launched(
+                instance.id,
+                address=instance.address,
+                launcher=instance.launcher,
+                corr=event.corr,
+                program=instance.program.hash,
+                user=instance.user,
+            )
+        elif isinstance(event, ev.InferletEnd):
+            outcome = ev.outcome_of(event)
+            tracing.ended(event.instance, outcome.status, outcome.error)
 
 
 def _request_record(request: ev.IncomingRequest) -> Any:

@@ -25,6 +25,7 @@ from pie.events.mcp import (
 
 if TYPE_CHECKING:
     from pie.actors.mcp.link import ServerLink
+    from pie.observe.tracing import Tracing
 
 
 @frozen(kw_only=True)
@@ -62,9 +63,18 @@ class _Counts:
 class McpActor(Actor):
     accepts = McpListServers | McpListTools | McpCallTool
 
-    def __init__(self, config: McpConfig, router: Router, address: str = "mcp") -> None:
+    def __init__(
+        self,
+        config: McpConfig,
+        router: Router,
+        address: str = "mcp",
+        *,
+        tracing: Tracing | None = None,
+    ) -> None:
+        """`tracing`: the engine's spans, when on; each traced request gets one."""
         super().__init__(address, router)
         self.config = config
+        self.tracing = tracing
         self.links: dict[str, ServerLink] = {}
         if config.servers:
             # The MCP client stack takes a second to import: only an engine with servers loads it.
@@ -112,7 +122,7 @@ class McpActor(Actor):
         counts = self._counts.get(request.server, _Counts())
         reply: Any
         try:
-            reply = await self._answer_in_time(request, counts)
+            reply = await self._traced(request, counts)
         except McpFailure as failure:
             counts.failures += 1
             self._total.failures += 1
@@ -125,6 +135,18 @@ class McpActor(Actor):
         finally:
             self._running -= 1
         self.router.send_nowait(self.address, request.requester, reply)
+
+    async def _traced(
+        self, request: McpListTools | McpCallTool, counts: _Counts
+    ) -> McpToolList | McpToolCalled:
+        """The answer, in a span under the program's call when that call is traced."""
+        if self.tracing is None:
+            return await self._answer_in_time(request, counts)
+        shown = {"pie.mcp.server": request.server}
+        if isinstance(request, McpCallTool):
+            shown["pie.mcp.tool"] = request.tool
+        with self.tracing.serving(request.corr, "pie.mcp.request", shown):
+            return await self._answer_in_time(request, counts)
 
     async def _answer_in_time(
         self, request: McpListTools | McpCallTool, counts: _Counts

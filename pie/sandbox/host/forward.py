@@ -88,6 +88,16 @@ def attention_window(given: Any) -> ev.AttentionWindow | None:
 
 def execute(pass_: Any) -> int:
     state = current()
+    corr = state.next_corr()
+    handle = _submit(state, pass_, corr)
+    if state.trace is not None:
+        shape = {"pie.context": pass_.context, "pie.tokens": len(pass_.tokens)}
+        state.trace.opened(handle, "pie.forward", corr, shape)
+    return handle
+
+
+def _submit(state: InstanceState, pass_: Any, corr: int) -> int:
+    """The pollable of the pass, sent on its context's lane or to the kv actor."""
     context = pass_.context
     state.runs.forbid(context)
     positions = _get(pass_, "positions")
@@ -114,13 +124,13 @@ def execute(pass_: Any) -> int:
         _off_lanes(state, context)
         tokens, positions, runs = laid_out(context, tokens, anchored)
     elif lanes is not None and plain and window is None:
-        handle = _on_lane(state, lanes, context, tokens, positions, slots, adapter)
+        handle = _on_lane(state, lanes, context, corr, tokens, positions, slots, adapter)
         if handle is not None:
             return handle
     else:
         _off_lanes(state, context)
     event = ev.SubmitForward(
-        corr=state.next_corr(),
+        corr=corr,
         requester=state.address,
         context=context,
         tokens=tokens,
@@ -142,6 +152,7 @@ def _on_lane(
     state: InstanceState,
     lanes: FastPath,
     context: int,
+    corr: int,
     tokens: tuple[int, ...],
     positions: tuple[int, ...] | None,
     slots: tuple[s.SamplingSlot, ...],
@@ -153,7 +164,7 @@ def _on_lane(
         taken = lanes.submit(
             context,
             state.address,
-            state.next_corr(),
+            corr,
             tokens,
             positions,
             slots,

@@ -4,6 +4,7 @@ pollable: a lane pass on the fast path, otherwise a SubmitForward to the kv acto
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,9 @@ def start(params: Any) -> int:
     if (bound := getattr(params, "matcher", None)) is not None:
         matcher = state.grammar.matcher(bound)
     handle = state.new_handle()
-    run = Run(spec, _stepper(state, spec), decode, lambda: state.runs.progressed(handle), matcher)
+    corr = state.next_corr()
+    step = _stepper(state, spec, corr)
+    run = Run(spec, step, decode, lambda: state.runs.progressed(handle), matcher)
     state.runs.add(handle, run)
     try:
         run.start()
@@ -46,6 +49,9 @@ def start(params: Any) -> int:
         if isinstance(exc, GrammarError):
             raise HostFailure(exc.kind, str(exc)) from None
         raise
+    if state.trace is not None:
+        shape = {"pie.context": spec.context, "pie.max_tokens": spec.max_tokens}
+        state.trace.opened(handle, "pie.generate", corr, shape)
     return handle
 
 
@@ -61,9 +67,16 @@ def output(pending: int) -> Any:
         out = run.take()
     except RunFailed as failed:
         state.runs.remove(handle)
+        if state.trace is not None:
+            state.trace.closed(handle, failed.failure)
         raise HostFailure(failed.failure.kind, failed.failure.message) from None
     if out.finished is not None:
         state.runs.remove(handle)
+        if state.trace is not None:
+            generated = len(run.tokens)
+            state.trace.closed(
+                handle, None, {"pie.finished": out.finished, "pie.generated": generated}
+            )
     return record(
         tokens=list(out.tokens),
         text=out.text,
@@ -124,14 +137,16 @@ def _penalty(params: Any, name: str) -> float:
     return value
 
 
-def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
+def _stepper(state: InstanceState, spec: RunSpec, first_corr: int) -> Callable[..., None]:
     """Sends one step of the run: on its lane when the context has one and the step fits it,
     else through the kv actor (which may grant a lease for the next step). A windowed run's
     first step goes through the kv actor, which releases pages and grants a lease that ends
-    with the tail page, so that every later step that starts a page comes back to it."""
+    with the tail page, so that every later step that starts a page comes back to it. The
+    first step's correlation id is `first_corr`, which names the run in its trace."""
     view = state.model_of(spec.context)
     lanes = view.lanes
     window_pending = spec.window is not None
+    corrs = itertools.chain((first_corr,), iter(state.next_corr, None))
 
     def step(
         tokens: tuple[int, ...],
@@ -141,7 +156,7 @@ def _stepper(state: InstanceState, spec: RunSpec) -> Callable[..., None]:
     ) -> None:
         nonlocal window_pending
         slots = (s.SamplingSlot(index=len(tokens) - 1, op=op),)
-        corr = state.next_corr()
+        corr = next(corrs)
         plain = shape.mask is None and shape.penalty is None and not spec.logit_bias
         if lanes is not None and window_pending:
             lanes.close(spec.context, state.address)

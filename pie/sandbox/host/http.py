@@ -33,7 +33,12 @@ def fetch(request: Any) -> int:
         timeout_seconds=None if timeout_ms is None else timeout_ms / 1000,
         max_redirects=max_redirects,
     )
-    return state.submit("http", event, "http")
+    handle = state.new_handle()
+    if state.trace is not None:
+        # Before the request leaves: the http actor's span goes under this one.
+        method = {"http.request.method": event.method}
+        state.trace.opened(handle, "pie.http.fetch", event.corr, method)
+    return state.submit("http", event, "http", handle)
 
 
 def fetched(pending: int) -> Any:

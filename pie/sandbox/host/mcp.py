@@ -25,7 +25,11 @@ def list_tools(server: str) -> int:
     event = ev.McpListTools(
         corr=state.next_corr(), requester=state.address, user=state.user, server=server
     )
-    return state.submit("mcp", event, "mcp-tools")
+    handle = state.new_handle()
+    if state.trace is not None:
+        # Before the request leaves: the mcp actor's span goes under this one.
+        state.trace.opened(handle, "pie.mcp.list_tools", event.corr, {"pie.mcp.server": server})
+    return state.submit("mcp", event, "mcp-tools", handle)
 
 
 def tools(pending: int) -> list[Any]:
@@ -47,7 +51,11 @@ def call_tool(server: str, name: str, arguments: str, timeout_ms: int | None) ->
         arguments=arguments,
         timeout_seconds=None if timeout_ms is None else timeout_ms / 1000,
     )
-    return state.submit("mcp", event, "mcp-call")
+    handle = state.new_handle()
+    if state.trace is not None:
+        called = {"pie.mcp.server": server, "pie.mcp.tool": name}
+        state.trace.opened(handle, "pie.mcp.call_tool", event.corr, called)
+    return state.submit("mcp", event, "mcp-call", handle)
 
 
 def called(pending: int) -> Any:

@@ -25,7 +25,10 @@ def push(queue: str, message: str) -> None:
 def pull(queue: str) -> int:
     state = current()
     event = ev.Pull(corr=state.next_corr(), requester=state.address, queue=queue)
-    return state.submit("bus", event, "message")
+    handle = state.submit("bus", event, "message")
+    if state.trace is not None:
+        state.trace.opened(handle, "pie.messaging.pull", event.corr, {"pie.queue": queue})
+    return handle
 
 
 def broadcast(topic: str, message: str) -> None:
@@ -37,7 +40,11 @@ def subscribe(topic: str) -> int:
 
 
 def next_(sub: int) -> int:
-    return current().next_message(sub)
+    state = current()
+    handle = state.next_message(sub)
+    if state.trace is not None:
+        state.trace.opened(handle, "pie.messaging.next")
+    return handle
 
 
 def unsubscribe(sub: int) -> None:

@@ -47,7 +47,11 @@ def send(message: Any) -> None:
 
 
 def receive() -> int:
-    return current().session_receive()
+    state = current()
+    handle = state.session_receive()
+    if state.trace is not None:
+        state.trace.opened(handle, "pie.session.receive")
+    return handle
 
 
 def received(pending: int) -> Any:

@@ -8,7 +8,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
@@ -22,6 +22,9 @@ from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
+
+if TYPE_CHECKING:
+    from pie.observe.tracing import LaunchTrace
 
 
 class InstanceState:
@@ -42,8 +45,11 @@ class InstanceState:
         subscriptions_bytes: int = 64 << 20,
         max_matchers: int = 64,
         max_media: int = 64,
+        trace: LaunchTrace | None = None,
     ) -> None:
         self.instance = instance
+        self.trace = trace
+        """The launch's spans when it is traced: host-call families open theirs here."""
         self.media: dict[int, tuple[int, Any]] = {}
         """Media handles: (model handle, the store's item)."""
         self.max_media = max_media
@@ -96,9 +102,10 @@ class InstanceState:
         self._next_handle += 1
         return handle
 
-    def submit(self, dst: str, event: Any, kind: str) -> int:
-        """Sends a command whose reply fills a new pollable; returns the pollable."""
-        handle = self.new_handle()
+    def submit(self, dst: str, event: Any, kind: str, handle: int = 0) -> int:
+        """Sends a command whose reply fills a new pollable (`handle`, when a caller took it
+        from `new_handle` beforehand); returns the pollable."""
+        handle = handle or self.new_handle()
         with self._cond:
             self.pollables[handle] = Pending(kind)
             self._by_corr[event.corr] = handle
@@ -156,6 +163,8 @@ class InstanceState:
                 raise HostFailure("not-ready", f"pollable {handle} is not ready")
             del self.pollables[handle]
         value = pending.value
+        if self.trace is not None:
+            self.trace.closed(handle, value if isinstance(value, RequestFailed) else None)
         if isinstance(value, RequestFailed):
             raise HostFailure(value.kind, value.message)
         return value
@@ -163,6 +172,8 @@ class InstanceState:
     def discard(self, handle: int) -> None:
         with self._cond:
             self.pollables.pop(handle, None)
+        if self.trace is not None:
+            self.trace.closed(handle)
 
     def resolved(self, kind: str, value: Any) -> int:
         """A pollable that is done already."""
