@@ -37,6 +37,7 @@ RUNNERS = {
     "bench peers": "pie.cli.bench.peers:run_bench_peers",
     "bench step": "pie.cli.bench.step:run_bench_step",
     "bench media": "pie.cli.bench.media:run_bench_media",
+    "bench log": "pie.cli.bench.eventlog:run_bench_log",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

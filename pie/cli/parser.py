@@ -202,6 +202,7 @@ def add_bench_parsers(commands: Commands) -> None:
     _bench_peers_parser(suites)
     _bench_step_parser(suites)
     _bench_media_parser(suites)
+    _bench_log_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -275,6 +276,25 @@ def _bench_tax_parser(suites: Commands) -> None:
     tax.add_argument("--slow-path", action="store_true", help="also run with the fast path off")
     tax.add_argument("--real", action="store_true", help="the configured model, not a fixed pass")
     add_engine_options(tax)
+
+
+def _bench_log_parser(suites: Commands) -> None:
+    log = suites.add_parser(
+        "log", help="decode throughput with the event log off, in memory, in a file, recording"
+    )
+    log.add_argument("--json", action="store_true", help="print one JSON object")
+    log.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
+    log.add_argument("--tokens", type=int, default=256, help="tokens each generation makes")
+    log.add_argument("--concurrency", type=int, default=16, help="inferlets decoding at once")
+    log.add_argument("--repeats", type=int, default=3)
+    log.add_argument(
+        "--settings",
+        nargs="+",
+        choices=["off", "ring", "file", "record"],
+        default=["off", "ring", "file", "record"],
+        help="record: the file with every inferlet's host calls recorded",
+    )
+    add_engine_options(log)
 
 
 def _bench_serve_parser(suites: Commands) -> None:
