@@ -37,6 +37,7 @@ RUNNERS = {
     "bench peers": "pie.cli.bench.peers:run_bench_peers",
     "bench step": "pie.cli.bench.step:run_bench_step",
     "bench media": "pie.cli.bench.media:run_bench_media",
+    "bench metrics": "pie.cli.bench.metrics:run_bench_metrics",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

@@ -1,6 +1,6 @@
 """Engine configuration: a TOML file with sections [model] (or [[models]]), [driver], [kv],
 [scheduler], [event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar],
-[media].
+[media], [metrics].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -33,6 +33,7 @@ from pie.config.service_sections import (
     HttpConfig,
     McpConfig,
     McpServerConfig,
+    MetricsConfig,
     NetworkConfig,
     ServerConfig,
 )
@@ -59,6 +60,7 @@ class EngineConfig:
     http: HttpConfig = HttpConfig()
     grammar: GrammarConfig = GrammarConfig()
     media: MediaConfig = MediaConfig()
+    metrics: MetricsConfig = MetricsConfig()
     models: tuple[ModelConfig, ...] = ()
     """[[models]]: several models served side by side, the first the default (which `model`
     then is too); empty: [model] alone."""
@@ -174,6 +176,7 @@ __all__ = [
     "McpConfig",
     "McpServerConfig",
     "MediaConfig",
+    "MetricsConfig",
     "ModelConfig",
     "NetworkConfig",
     "SandboxConfig",

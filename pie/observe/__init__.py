@@ -1,0 +1,1 @@
+"""What the engine tells its operators about itself: metrics, probes and traces."""
