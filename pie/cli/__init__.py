@@ -38,6 +38,7 @@ RUNNERS = {
     "bench step": "pie.cli.bench.step:run_bench_step",
     "bench media": "pie.cli.bench.media:run_bench_media",
     "bench log": "pie.cli.bench.eventlog:run_bench_log",
+    "bench metrics": "pie.cli.bench.metrics:run_bench_metrics",
     "doctor": "pie.cli.doctor:run_doctor",
 }
 """Each command's function, imported only when that command runs."""

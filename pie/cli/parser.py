@@ -53,6 +53,13 @@ def add_serve_parser(commands: Commands) -> None:
     serve.add_argument(
         "--openai", action="store_true", help="serve the OpenAI-compatible API at /v1 on --http"
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve /metrics, /health and /ready on PORT, without --http (with it, they are "
+        "served there)",
+    )
     add_engine_options(serve)
 
 
@@ -191,7 +198,7 @@ def add_bench_parsers(commands: Commands) -> None:
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     add_engine_options(bench)
     suites = bench.add_subparsers(
-        dest="suite", metavar="[inferlets | serve | tax | agents | gpu | decoding]"
+        dest="suite", metavar="[inferlets | serve | tax | agents | gpu | decoding | metrics]"
     )
     _bench_inferlets_parser(suites)
     _bench_decoding_parser(suites)
@@ -203,6 +210,7 @@ def add_bench_parsers(commands: Commands) -> None:
     _bench_step_parser(suites)
     _bench_media_parser(suites)
     _bench_log_parser(suites)
+    _bench_metrics_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -393,3 +401,17 @@ def _bench_peers_parser(suites: Commands) -> None:
         "--setup", action="store_true", help="build the llama.cpp environment when missing"
     )
     peers.add_argument("--peer-python", help="a Python with llama-cpp-python installed")
+
+
+def _bench_metrics_parser(suites: Commands) -> None:
+    metrics = suites.add_parser(
+        "metrics", help="/metrics scrape latency, and decode speed with and without a scraper"
+    )
+    metrics.add_argument("--json", action="store_true", help="print one JSON object")
+    metrics.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
+    metrics.add_argument("--concurrency", type=int, default=16, help="inferlets decoding at once")
+    metrics.add_argument("--tokens", type=int, default=256, help="tokens each inferlet makes")
+    metrics.add_argument("--repeats", type=int, default=5, help="rounds of each, interleaved")
+    metrics.add_argument(
+        "--scrape-ms", type=float, default=100.0, help="time between one scrape and the next"
+    )

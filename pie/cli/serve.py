@@ -26,9 +26,15 @@ def run_serve(args: argparse.Namespace) -> int:
         config,
         server={"host": args.host, "port": args.port, "auth": args.auth},
         http={"port": args.http, "mounts": mounts, "openai": args.openai or None},
+        metrics={"port": args.metrics_port},
     )
     if config.http.port < 0 and (config.http.mounts or config.http.openai):
         raise ValueError("--mount and --openai serve over HTTP: give --http PORT too")
+    if config.http.port >= 0 and config.metrics.port >= 0:
+        raise ValueError(
+            "--metrics-port ([metrics] port) is for a server without --http ([http] port); "
+            "with it, /metrics, /health and /ready are served on the HTTP port: drop one"
+        )
 
     def announce(server: Server) -> None:
         auth = "on" if server.auth_required else "off"
@@ -42,6 +48,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def announce_http(front: HttpFront) -> None:
         for prefix, program in sorted(front.mounts.programs.items()):
             print(f"pie: {front.url}{prefix} serves {program[:16]}", file=sys.stderr)
+        print(f"pie: metrics at {front.url}/metrics", file=sys.stderr)
 
     trio.run(serve, config, announce, announce_http)
     print("pie: stopped", file=sys.stderr)

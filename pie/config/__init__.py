@@ -1,6 +1,6 @@
 """Engine configuration: a TOML file with sections [model] (or [[models]]), [driver], [kv],
 [scheduler], [event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar],
-[media], [dashboard], [tracing].
+[media], [dashboard], [tracing], [metrics].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -34,6 +34,7 @@ from pie.config.service_sections import (
     HttpConfig,
     McpConfig,
     McpServerConfig,
+    MetricsConfig,
     NetworkConfig,
     ServerConfig,
 )
@@ -63,6 +64,7 @@ class EngineConfig:
     media: MediaConfig = MediaConfig()
     dashboard: DashboardConfig = DashboardConfig()
     tracing: TracingConfig = TracingConfig()
+    metrics: MetricsConfig = MetricsConfig()
     models: tuple[ModelConfig, ...] = ()
     """[[models]]: several models served side by side, the first the default (which `model`
     then is too); empty: [model] alone."""
@@ -187,6 +189,7 @@ __all__ = [
     "McpConfig",
     "McpServerConfig",
     "MediaConfig",
+    "MetricsConfig",
     "ModelConfig",
     "NetworkConfig",
     "SandboxConfig",

@@ -1,5 +1,5 @@
 """The config sections of what the engine reaches and serves: [network], [mcp], [server],
-[http], [grammar]."""
+[http], [grammar], [metrics]."""
 
 from __future__ import annotations
 
@@ -204,3 +204,19 @@ class GrammarConfig:
     """Matchers (and, separately, grammar handles) one inferlet may hold at once."""
     max_matchers_per_user: int = field(default=1024, validator=at_least(1))
     """Matchers one user's inferlets may hold together."""
+
+
+@frozen(kw_only=True)
+class MetricsConfig:
+    """The Prometheus endpoint `/metrics` and the probes `/health` and `/ready`
+    (docs/observability.md), served by the HTTP front or on a port of their own."""
+
+    public: bool = False
+    """Serve /metrics without credentials even when the server requires them (/health and
+    /ready always are)."""
+    port: int = field(default=-1, validator=at_least(-1))
+    """A port serving only /metrics, /health and /ready, for a server without an HTTP front
+    (-1: none; 0 picks a free one; with [http] port set they are served there instead)."""
+    min_scrape_ms: int = field(default=1000, validator=at_least(0))
+    """A scrape this soon after the last one is answered with that one's text, so that a flood
+    of scrapes costs the engine one scrape per interval."""

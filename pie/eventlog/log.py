@@ -114,6 +114,17 @@ class EventLog:
         """The envelopes in the ring, oldest first."""
         return [Envelope.from_row(row) for row in self._ring]
 
+    def rows_after(self, seq: int) -> list[Row]:
+        """The rows the ring holds that were appended after `seq`, oldest first (the ring is
+        walked from its end, so only those are touched)."""
+        rows: list[Row] = []
+        for row in reversed(self._ring):
+            if row[0] <= seq:
+                break
+            rows.append(row)
+        rows.reverse()
+        return rows
+
     def __len__(self) -> int:
         return len(self._ring)
 

@@ -3,6 +3,7 @@ engine requester, their events fanned out to attached connections, and a gracefu
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import itertools
 import logging
@@ -42,6 +43,11 @@ class ServerStatistics:
     connections: int
     inferlets_live: int
     inferlets_retained: int
+    connections_accepted: int = 0
+    replies: tuple[tuple[str, int], ...] = ()
+    """Requests answered, by outcome: "ok", or the kind of the `Failure` that refused them."""
+    events_sent: int = 0
+    """Frames sent that answer no request (inferlet and bus events, the welcome)."""
 
 
 def auth_required(config: ServerConfig) -> bool:
@@ -85,6 +91,9 @@ class Server:
         self.stopping = False
         self.port = 0
         self._connection_ids = itertools.count(1)
+        self._accepted = 0
+        self._replies = collections.Counter[str]()
+        self._events_sent = 0
         self._listening = trio.CancelScope()
         self._stopped = trio.Event()
         self._compiles = trio.CapacityLimiter(config.max_compiles)
@@ -169,7 +178,8 @@ class Server:
             await ws.aclose(1001, "server stopping")
             return
         connection = next(self._connection_ids)
-        session = Session(self, ws, connection)
+        self._accepted += 1
+        session = _CountedSession(self, ws, connection)
         self.sessions[connection] = session
         try:
             await session.run()
@@ -378,13 +388,33 @@ class Server:
             ),
         )
 
+    def count_frame(self, message: Any) -> None:
+        """Counts a frame sent to a client: a reply by its outcome, or an event."""
+        if isinstance(message, msg.Failure):
+            self._replies[message.kind] += 1
+        elif hasattr(message, "corr"):
+            self._replies["ok"] += 1
+        else:
+            self._events_sent += 1
+
     def statistics(self) -> ServerStatistics:
         live = len(self.hub.live_instances())
         return ServerStatistics(
             connections=len(self.sessions),
             inferlets_live=live,
             inferlets_retained=len(self.hub.tracked) - live,
+            connections_accepted=self._accepted,
+            replies=tuple(sorted(self._replies.items())),
+            events_sent=self._events_sent,
         )
+
+
+class _CountedSession(Session):
+    """A session whose every frame out is counted (see `Server.count_frame`)."""
+
+    def post(self, message: Any) -> None:
+        self.server.count_frame(message)
+        super().post(message)
 
 
 def _card(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> msg.ModelCard:

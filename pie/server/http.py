@@ -4,6 +4,7 @@ everything else the engine runs; the response streams back as the instance write
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -49,6 +50,8 @@ class HttpStatistics:
     requests: int
     in_flight: int
     failed: int
+    responses: tuple[tuple[str, int], ...] = ()
+    """Responses begun, by status class ("2xx", "4xx"...), in that order."""
 
 
 class HttpFront:
@@ -83,6 +86,7 @@ class HttpFront:
         self._requests = 0
         self._in_flight = 0
         self._failed = 0
+        self._responses = collections.Counter[str]()
 
     @property
     def url(self) -> str:
@@ -126,7 +130,10 @@ class HttpFront:
 
     def statistics(self) -> HttpStatistics:
         return HttpStatistics(
-            requests=self._requests, in_flight=self._in_flight, failed=self._failed
+            requests=self._requests,
+            in_flight=self._in_flight,
+            failed=self._failed,
+            responses=tuple(sorted(self._responses.items())),
         )
 
     # -- the ASGI app ----------------------------------------------------------------------------
@@ -138,9 +145,19 @@ class HttpFront:
             self._requests += 1
             self._in_flight += 1
             try:
-                await self._request(scope, receive, send)
+                await self._request(scope, receive, self._counted(send))
             finally:
                 self._in_flight -= 1
+
+    def _counted(self, send: Send) -> Send:
+        """`send`, counting each response by its status class."""
+
+        async def counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self._responses[f"{message['status'] // 100}xx"] += 1
+            await send(message)
+
+        return counted
 
     async def _request(self, scope: Scope, receive: Receive, send: Send) -> None:
         if _ambiguous_length(scope):

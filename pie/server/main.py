@@ -1,6 +1,6 @@
 """The serving process: the engine on the configured model behind the WebSocket server (and the
-HTTP front when configured), until SIGINT or SIGTERM (the first stops gracefully, a second at
-once)."""
+HTTP front, or a front for the metrics alone, when configured), until SIGINT or SIGTERM (the
+first stops gracefully, a second at once)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 
+import attrs
 import trio
 
 from pie.config import EngineConfig
 from pie.engine import Engine, open_engine, with_snapshots_dir
+from pie.observe.metrics import EngineMetrics
+from pie.observe.probes import probe_routes, server_readiness
 from pie.server.app import Server
 from pie.server.dashboard import Dashboard
 from pie.server.http import HttpFront
-from pie.server.mounts import prepare_mounts
+from pie.server.mounts import Mounts, prepare_mounts
 from pie.server.routes import Route
 
 
@@ -29,11 +32,9 @@ async def serve(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
-                front = None
-                if config.http.port >= 0:
-                    front = await _start_http(engine, config, server, nursery)
-                    if announce_http is not None:
-                        announce_http(front)
+                front = await _start_http(engine, config, server, nursery)
+                if front is not None and announce_http is not None:
+                    announce_http(front)
                 if announce is not None:
                     announce(server)
                 nursery.start_soon(_on_signals, signals, server, front, nursery)
@@ -46,18 +47,33 @@ async def serve(
 
 async def _start_http(
     engine: Engine, config: EngineConfig, server: Server, nursery: trio.Nursery
-) -> HttpFront:
-    mounts = await trio.to_thread.run_sync(prepare_mounts, engine, config.http)
+) -> HttpFront | None:
+    """The HTTP front with its programs and the metrics routes; without [http] port, a front
+    serving only those routes on [metrics] port; None when neither is set."""
+    http = config.http
+    if http.port >= 0:
+        mounts = await trio.to_thread.run_sync(prepare_mounts, engine, http)
+    elif config.metrics.port >= 0:
+        mounts, http = Mounts({}), attrs.evolve(http, port=config.metrics.port)
+    else:
+        return None
+    metrics = EngineMetrics(engine, config.metrics)
+    metrics.watch_server(server)
+    routes = probe_routes(metrics, server_readiness(server), public_metrics=config.metrics.public)
+    if config.http.port >= 0:
+        routes += _dashboard_routes(engine, config, server)
     front = HttpFront(
         engine,
-        config.http,
+        http,
         mounts,
-        host=config.http.host or config.server.host,
+        host=http.host or config.server.host,
         users=server.users if server.auth_required else None,
         credential_check_seconds=config.server.credential_check_seconds,
         shutdown_seconds=config.server.shutdown_seconds,
-        routes=_dashboard_routes(engine, config, server),
+        routes=routes,
     )
+    metrics.watch_http(front)
+    nursery.start_soon(metrics.run)
     await nursery.start(front.run)
     return front
 
