@@ -46,12 +46,12 @@ def test_an_explicit_thread_count_is_kept() -> None:
     ("driver", "words"),
     [
         ({"threads": -1}, "threads must be >= 0, got -1"),
-        ({"threads": 2.5}, "expected an integer, got 2.5 @ $.driver.threads"),
+        ({"threads": 2.5}, "[driver] threads: expected an integer, got 2.5"),
         ({"threads": "2"}, "expected an integer, got '2'"),
         ({"threads": "auto"}, "expected an integer, got 'auto'"),
         ({"threads": True}, "expected an integer, got True"),
         ({"omp_wait_policy": "spin"}, "omp_wait_policy must be one of passive, active"),
-        ({"thread": 2}, "extra fields found (thread)"),
+        ({"thread": 2}, "[driver] has no key 'thread'; did you mean 'threads'?"),
     ],
 )
 def test_bad_driver_values_are_refused_saying_why(driver: dict[str, object], words: str) -> None:

@@ -117,7 +117,9 @@ async def test_a_body_over_the_limit_is_refused(
         with trio.fail_after(60):
             reply = await c.post("/s/echo", content=b"x" * 2000)
         assert e.statistics().inferlets.launched == 0
-    assert reply.status_code == 413 and reply.json()["error"]["type"] == "too_large"
+    error = reply.json()["error"]
+    assert reply.status_code == 413 and error["code"] == "too_large"
+    assert error["type"] == "invalid_request_error"
 
 
 @pytest.mark.integration

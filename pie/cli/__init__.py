@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
+import os
 from collections.abc import Callable, Sequence
 
 from pie.cli.parser import build_parser
@@ -43,18 +43,29 @@ RUNNERS = {
 }
 """Each command's function, imported only when that command runs."""
 
+INTERRUPTED = 130
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; a failure becomes one line on stderr and exit code 2 (usage, config)
+    or 1 (runtime), with its traceback too under `pie --debug` or PIE_DEBUG=1."""
     args = build_parser().parse_args(argv)
-    from pie.config import ConfigError
-
     try:
         return _runner(args)(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"pie: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            return INTERRUPTED
+        return _report(group, args)
+    except Exception as err:
+        return _report(err, args)
+
+
+def _report(err: BaseException, args: argparse.Namespace) -> int:
+    from pie.cli.errors import report
+
+    return report(err, debug=args.debug or os.environ.get("PIE_DEBUG", "") not in ("", "0"))
 
 
 def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:

@@ -66,6 +66,9 @@ def run_program(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     wasm = Path(args.program).read_bytes()
+    if not wasm.startswith(b"\0asm"):
+        # Told before the model loads, not after.
+        raise ValueError(f"{args.program} is not a WebAssembly component (`pie build` makes one)")
     try:
         files = [Path(f).read_bytes() for f in args.file]
     except OSError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pie.events import codec
@@ -17,7 +18,7 @@ def run_log(args: argparse.Namespace) -> int:
     if args.tree is not None:
         return _print_tree(args)
     shown = 0
-    for env in read_entries(args.file):
+    for env in _readable(read_entries(args.file), args.file):
         if isinstance(env, Gap):
             print(
                 f"{'':>7} {env.count} records not in the file (seq {env.first} to {env.last}): "
@@ -65,6 +66,21 @@ def _line(env: Any) -> str:
     )
 
 
+def _readable(entries: Iterable[Any], path: str) -> Iterator[Any]:
+    """The file's entries; a record of the wrong shape is the file's fault (a ValueError that
+    names it), not pie's."""
+    read = 0
+    try:
+        for entry in entries:
+            read += 1
+            yield entry
+    except (KeyError, TypeError, AttributeError) as exc:
+        what = f"no {exc}" if isinstance(exc, KeyError) else f"a bad field ({exc})"
+        raise ValueError(
+            f"{path} is not an event log: a record after {read} good ones has {what}"
+        ) from exc
+
+
 def _describe(event: Any) -> str:
     data = codec.encode(event)
     name = data.pop(codec.TAG)
@@ -80,7 +96,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from pie.eventlog import LogGap, read_log
 
     try:
-        replays = replay_cores(read_log(args.file), args.actor)
+        replays = replay_cores(_readable(read_log(args.file), args.file), args.actor)
     except LogGap as gap:
         print(f"pie: cannot replay an incomplete log: {gap}", file=sys.stderr)
         return 2

@@ -16,6 +16,9 @@ Commands = Any
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pie", description="A programmable LLM serving engine.")
     parser.add_argument("--version", action="version", version=f"pie {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error, not just its line"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_parser(commands)
     add_engine_parsers(commands)

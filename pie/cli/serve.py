@@ -48,6 +48,8 @@ def run_serve(args: argparse.Namespace) -> int:
     def announce_http(front: HttpFront) -> None:
         for prefix, program in sorted(front.mounts.programs.items()):
             print(f"pie: {front.url}{prefix} serves {program[:16]}", file=sys.stderr)
+        if not front.mounts.programs and config.http.port >= 0:
+            print(f"pie: HTTP on {front.url}, nothing mounted", file=sys.stderr)
         print(f"pie: metrics at {front.url}/metrics", file=sys.stderr)
 
     trio.run(serve, config, announce, announce_http)

@@ -15,7 +15,6 @@ from typing import Any
 import attrs
 import cattrs
 from attrs import frozen
-from cattrs.v import format_exception
 
 from pie.config.dashboard_section import DashboardConfig
 from pie.config.engine_sections import (
@@ -28,6 +27,7 @@ from pie.config.engine_sections import (
     SandboxConfig,
     SchedulerConfig,
 )
+from pie.config.errors import ConfigError, describe, unknown_tables
 from pie.config.media_section import MediaConfig
 from pie.config.service_sections import (
     GrammarConfig,
@@ -94,10 +94,6 @@ class EngineConfig:
         return tuple(m.kv_share or rest for m in entries)
 
 
-class ConfigError(ValueError):
-    """A config file that could not be read; the message names the bad keys."""
-
-
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
@@ -108,45 +104,70 @@ def _integer(data: Any, _: Any) -> int:
     return data
 
 
+def _number(data: Any, _: Any) -> float:
+    if type(data) not in (int, float):
+        raise ValueError(f"expected a number, got {data!r}")
+    return float(data)
+
+
+def _string(data: Any, _: Any) -> str:
+    if not isinstance(data, str):
+        raise ValueError(f"expected a string, got {data!r}")
+    return data
+
+
 def _boolean(data: Any, _: Any) -> bool:
-    # bool is a subclass of int, so without its own hook a boolean key would take _integer's.
-    if type(data) is not bool:
+    if not isinstance(data, bool):
         raise ValueError(f"expected true or false, got {data!r}")
     return data
 
 
-_converter.register_structure_hook(int, _integer)
-_converter.register_structure_hook(bool, _boolean)
+for _scalar, _hook in ((int, _integer), (float, _number), (str, _string), (bool, _boolean)):
+    _converter.register_structure_hook(_scalar, _hook)
+
+
+def _list_of(kind: Any) -> None:
+    """Structures `kind` (a tuple type) from a list only: a bare string would otherwise become
+    a tuple of its characters."""
+    structure = _converter.get_structure_hook(kind)
+
+    def hook(data: Any, type_: Any) -> Any:
+        if not isinstance(data, list | tuple):
+            raise ValueError(f"expected a list, got {data!r}")
+        return structure(data, type_)
+
+    _converter.register_structure_hook_func(lambda type_: type_ == kind, hook)
+
+
 _structure_mcp_server = _converter.get_structure_hook(McpServerConfig)
 
 
 def _mcp_server(data: Any, type_: Any) -> McpServerConfig:
-    # A bare string would otherwise become a tuple of its characters.
+    # Said in an mcp server's own words, before the list check would say it more plainly.
     if isinstance(data, dict) and isinstance(data.get("command"), str):
         raise ValueError("an mcp server's command is a list: the program, then its arguments")
     return _structure_mcp_server(data, type_)
 
 
 _converter.register_structure_hook(McpServerConfig, _mcp_server)
-
-
-def _describe(exc: BaseException, type_: Any) -> str:
-    # Our validators say what is wrong in their own words; keep them.
-    if type(exc) is ValueError:
-        return str(exc)
-    return format_exception(exc, type_)
+for _sequence in (tuple[str, ...], tuple[int, ...], tuple[McpServerConfig, ...]):
+    _list_of(_sequence)
+_list_of(tuple[ModelConfig, ...])
 
 
 def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    """The config that TOML-shaped `data` describes; ConfigError names every bad table and key."""
     if "model" in data and "models" in data:
         raise ConfigError("give the models as [[models]] entries or as [model], not both")
-    if isinstance(data.get("models"), list) and data["models"]:
-        data = {**data, "model": data["models"][0]}
+    unknown = unknown_tables(data, EngineConfig)
+    if unknown:
+        raise ConfigError("; ".join(unknown))
     try:
-        return _converter.structure(data, EngineConfig)
+        config = _converter.structure(data, EngineConfig)
+        # [model] is the first [[models]] entry: structured once, so a problem is told once.
+        return attrs.evolve(config, model=config.models[0]) if config.models else config
     except cattrs.BaseValidationError as exc:
-        messages = cattrs.transform_error(exc, format_exception=_describe)
-        raise ConfigError("; ".join(messages)) from exc
+        raise ConfigError("; ".join(describe(exc))) from exc
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -161,17 +182,22 @@ def load_config(path: str | Path | None = None) -> EngineConfig:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc.__cause__
 
 
 def with_overrides(config: EngineConfig, **sections: dict[str, Any]) -> EngineConfig:
-    """A copy with some keys replaced, e.g. with_overrides(c, model={"path": "x.gguf"})."""
-    changes = {
-        name: attrs.evolve(
-            getattr(config, name), **{k: v for k, v in values.items() if v is not None}
-        )
-        for name, values in sections.items()
-    }
+    """A copy with some keys replaced, e.g. with_overrides(c, model={"path": "x.gguf"});
+    ConfigError names the table of a value its checks refuse."""
+    changes = {}
+    for name, values in sections.items():
+        given = {k: v for k, v in values.items() if v is not None}
+        try:
+            changes[name] = attrs.evolve(getattr(config, name), **given)
+        except ValueError as exc:
+            raise ConfigError(f"[{name}] {exc}") from exc
     return attrs.evolve(config, **changes)
 
 

@@ -23,6 +23,14 @@ def at_least(n: int) -> Any:
     return check
 
 
+def at_most(n: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
+        if value > n:
+            raise ValueError(f"{attribute.name} must be <= {n}, got {value}")
+
+    return check
+
+
 def share(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 from attrs import field, frozen
 
-from pie.config.checks import at_least, choice, positive
+from pie.config.checks import at_least, at_most, choice, positive
 
 
 def _policy_entries(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
@@ -117,7 +117,7 @@ class McpConfig:
 @frozen(kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    port: int = field(default=8080, validator=at_least(0))
+    port: int = field(default=8080, validator=[at_least(0), at_most(65535)])
     """0 picks a free port (the server prints the one it got)."""
     auth: str = field(default="auto", validator=choice("auto", "on", "off"))
     """auto: off when `host` is a loopback address, on otherwise."""
@@ -175,7 +175,7 @@ class HttpConfig:
     """HTTP-served inferlets (`pie serve --http PORT`): each request to a mounted prefix runs
     in a fresh instance of the program mounted there."""
 
-    port: int = field(default=-1, validator=at_least(-1))
+    port: int = field(default=-1, validator=[at_least(-1), at_most(65535)])
     """-1: no HTTP port; 0 picks a free one."""
     host: str = ""
     """Empty: the [server] host."""

@@ -7,6 +7,8 @@ import collections
 import ipaddress
 import itertools
 import logging
+import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,10 +69,15 @@ def _is_loopback(host: str) -> bool:
 
 class Server:
     """Start with `await nursery.start(server.run)` (it reports the bound port); `stop()` ends
-    it gracefully."""
+    it gracefully. It serves on `sockets` when given them listening (see bind_ports)."""
 
     def __init__(
-        self, engine: Engine, config: ServerConfig, *, users: UserStore | None = None
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        *,
+        users: UserStore | None = None,
+        sockets: Sequence[socket.socket] = (),
     ) -> None:
         self.engine = engine
         self.config = config
@@ -90,6 +97,7 @@ class Server:
         self.sessions: dict[int, Session] = {}
         self.stopping = False
         self.port = 0
+        self._sockets = list(sockets)
         self._connection_ids = itertools.count(1)
         self._accepted = 0
         self._replies = collections.Counter[str]()
@@ -129,19 +137,18 @@ class Server:
     async def _listen(self, *, task_status: trio.TaskStatus[Any]) -> None:
         assert self._nursery is not None
         limit = self.config.max_frame_mb << 20
+        bound = [trio.SocketListener(trio.socket.from_stdlib_socket(s)) for s in self._sockets]
+        server = trio_websocket.WebSocketServer(
+            self._connected,
+            bound or await trio.open_tcp_listeners(self.config.port, host=self.config.host),
+            handler_nursery=self._nursery,
+            # Frames up to twice the limit are read and refused with `too-large`; beyond that
+            # the WebSocket layer closes the connection (1009).
+            max_message_size=2 * limit,
+            receive_buffer_size=1 << 16,
+        )
         with self._listening:
-            await trio_websocket.serve_websocket(
-                self._connected,
-                self.config.host,
-                self.config.port,
-                None,
-                handler_nursery=self._nursery,
-                # Frames up to twice the limit are read and refused with `too-large`; beyond
-                # that the WebSocket layer closes the connection (1009).
-                max_message_size=2 * limit,
-                receive_buffer_size=1 << 16,
-                task_status=task_status,
-            )
+            await server.run(task_status=task_status)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops accepting, lets inferlets finish for `grace` seconds, terminates the rest,

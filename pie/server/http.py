@@ -8,7 +8,8 @@ import collections
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import socket
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -38,6 +39,15 @@ CREDENTIAL_HEADERS = frozenset({b"authorization"})
 OpenAI client sends its key there either way)."""
 
 MAX_ERROR_CHARS = 1000
+
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+"""The OpenAI error type of a status; other 4xx are `invalid_request_error`, 5xx
+`server_error`."""
 
 END_STATUS = {"timeout": 504, "terminated": 503}
 LAUNCH_REFUSED = {"too_many_inferlets": 429, "no_such_program": 404}
@@ -69,7 +79,10 @@ class HttpFront:
         credential_check_seconds: float = 2.0,
         shutdown_seconds: float = 30.0,
         routes: tuple[Route, ...] = (),
+        sockets: Sequence[socket.socket] = (),
     ) -> None:
+        """`sockets`: listening sockets bound beforehand (see pie.server.main.bind_ports);
+        without them hypercorn binds `host` and [http] port when the front starts."""
         self.engine = engine
         self.routes = routes
         """Pages the front serves itself; they take precedence over mounted programs."""
@@ -81,6 +94,7 @@ class HttpFront:
         self.shutdown_seconds = shutdown_seconds
         """After `stop`, how long requests in flight may go on ([server] shutdown_seconds)."""
         self.port = 0
+        self._sockets = list(sockets)
         self._stopping = trio.Event()
         self._requester: Requester | None = None
         self._requests = 0
@@ -98,7 +112,10 @@ class HttpFront:
     ) -> None:
         settings = HypercornConfig()
         host = f"[{self.host}]" if ":" in self.host else self.host
-        settings.bind = [f"{host}:{self.config.port}"]
+        # Hypercorn takes over a bound socket by its descriptor, which it then owns.
+        settings.bind = [f"fd://{s.detach()}" for s in self._sockets] or [
+            f"{host}:{self.config.port}"
+        ]
         settings.accesslog = None
         settings.graceful_timeout = self.shutdown_seconds
         async with self.engine.requester("http-front") as requester, trio.open_nursery() as nursery:
@@ -181,7 +198,7 @@ class HttpFront:
         program, path = found
         caller = self._caller(scope)
         if caller is None:
-            await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "unauthenticated")
+            await _error(send, 401, "give Authorization: Bearer USER:TOKEN", "invalid_api_key")
             return
         user, credential = caller
         openai = self.config.openai and scope["path"].startswith(OPENAI_PREFIX + "/")
@@ -220,7 +237,7 @@ class HttpFront:
             # Refused before any tokens are counted or any instance runs, as the API does it.
             limit = f"{self.config.openai_max_body_kb} KiB"
             message = f"the request body is over {limit}: shorten the messages or the input"
-            await _error(send, 400, message, "invalid_request_error", code="request_too_large")
+            await _error(send, 400, message, "request_too_large")
         else:
             limit = f"{self.config.max_body_mb:g} MiB"
             await _error(send, 413, f"the request body is over {limit}", "too_large")
@@ -302,6 +319,10 @@ async def _end(send: Send, end: Any, started: bool) -> None:
     await _error(send, status, message, f"inferlet_{outcome.status}")
 
 
+def error_type(status: int) -> str:
+    return "server_error" if status >= 500 else ERROR_TYPES.get(status, "invalid_request_error")
+
+
 def _public_error(error: str | None) -> str:
     """What a client may see of an instance's error: its first line (for a Python guest, the
     exception and its message), never the traceback after it, which stays in the log."""
@@ -359,17 +380,10 @@ def _ambiguous_length(scope: Scope) -> bool:
     return b"transfer-encoding" in names and b"content-length" in names
 
 
-async def _error(
-    send: Send,
-    status: int,
-    message: str,
-    kind: str,
-    *,
-    code: str | None = None,
-    close: bool = False,
-) -> None:
-    """An error in the shape the OpenAI API uses, so that its clients read every refusal."""
-    error = {"message": message, "type": kind, "param": None, "code": code or kind}
+async def _error(send: Send, status: int, message: str, code: str, *, close: bool = False) -> None:
+    """An error in the shape the OpenAI API uses, so that its clients read every refusal: the
+    type follows the status, the code is the refusal's kind."""
+    error = {"message": message, "type": error_type(status), "param": None, "code": code}
     body = json.dumps({"error": error}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:

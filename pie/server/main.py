@@ -1,10 +1,11 @@
-"""The serving process: the engine on the configured model behind the WebSocket server (and the
-HTTP front, or a front for the metrics alone, when configured), until SIGINT or SIGTERM (the
-first stops gracefully, a second at once)."""
+"""The serving process: its ports bound first, then the engine on the configured model behind
+the WebSocket server (and the HTTP front, or a front for the metrics alone, when configured),
+until SIGINT or SIGTERM (the first stops gracefully, a second at once)."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 
@@ -19,20 +20,39 @@ from pie.server.app import Server
 from pie.server.dashboard import Dashboard
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts, prepare_mounts
+from pie.server.ports import BoundPorts, PortUnavailable, bind_ports, listen_on
 from pie.server.routes import Route
+
+__all__ = ["BoundPorts", "PortUnavailable", "bind_ports", "listen_on", "serve"]
 
 
 async def serve(
     config: EngineConfig,
     announce: Callable[[Server], None] | None = None,
     announce_http: Callable[[HttpFront], None] | None = None,
+    ports: BoundPorts | None = None,
+) -> None:
+    """Serves until a signal; binds its ports first (unless given them bound)."""
+    if ports is None:
+        ports = bind_ports(config)
+    try:
+        await _serve(config, ports, announce, announce_http)
+    finally:
+        ports.close()
+
+
+async def _serve(
+    config: EngineConfig,
+    ports: BoundPorts,
+    announce: Callable[[Server], None] | None,
+    announce_http: Callable[[HttpFront], None] | None,
 ) -> None:
     async with open_engine(with_snapshots_dir(config)) as engine:
-        server = Server(engine, config.server)
+        server = Server(engine, config.server, sockets=ports.websocket)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
-                front = await _start_http(engine, config, server, nursery)
+                front = await _start_http(engine, config, server, nursery, ports.http)
                 if front is not None and announce_http is not None:
                     announce_http(front)
                 if announce is not None:
@@ -46,7 +66,11 @@ async def serve(
 
 
 async def _start_http(
-    engine: Engine, config: EngineConfig, server: Server, nursery: trio.Nursery
+    engine: Engine,
+    config: EngineConfig,
+    server: Server,
+    nursery: trio.Nursery,
+    sockets: list[socket.socket],
 ) -> HttpFront | None:
     """The HTTP front with its programs and the metrics routes; without [http] port, a front
     serving only those routes on [metrics] port; None when neither is set."""
@@ -71,6 +95,7 @@ async def _start_http(
         credential_check_seconds=config.server.credential_check_seconds,
         shutdown_seconds=config.server.shutdown_seconds,
         routes=routes,
+        sockets=sockets,
     )
     metrics.watch_http(front)
     nursery.start_soon(metrics.run)

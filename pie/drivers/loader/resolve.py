@@ -88,6 +88,7 @@ def converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     """The cached conversion of gguf_path, converting it first when absent or half-written."""
     target = cache_folder(gguf_path, cache_dir)
     if (target / COMPLETE_MARKER).is_file():
+        tqdm.write(f"pie: using the cached conversion of {gguf_path.name} at {target}", sys.stderr)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -102,11 +103,11 @@ def converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 
 def _convert_with_progress(gguf_path: Path, staging: Path) -> None:
     started = time.perf_counter()
-    tqdm.write(f"converting {gguf_path} (first use; cached afterwards)", file=sys.stderr)
+    tqdm.write(f"pie: converting {gguf_path} (first use; cached afterwards)", file=sys.stderr)
     convert_gguf(gguf_path, staging)
     # The marker goes last: a folder without it is an interrupted conversion.
     (staging / COMPLETE_MARKER).write_text(str(gguf_path.resolve()))
-    tqdm.write(f"converted in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    tqdm.write(f"pie: converted in {time.perf_counter() - started:.1f}s", file=sys.stderr)
 
 
 def _publish(staging: Path, target: Path) -> None:

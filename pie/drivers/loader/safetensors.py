@@ -55,7 +55,8 @@ def load_safetensors(
         return not _is_ignored(name, model) and checkpoint_target(name, model) not in loaded
 
     unexpected: list[str] = []
-    for name, tensor in _progress(_read_tensors(checkpoint_files(folder), wanted), folder):
+    found = _wanted_tensors(checkpoint_files(folder), wanted)
+    for name, tensor in _progress(_read_tensors(found), len(found), folder):
         target, shard = checkpoint_target(name, model)
         if target not in params:
             unexpected.append(name)
@@ -70,24 +71,36 @@ def load_safetensors(
         )
 
 
-def _read_tensors(
-    files: list[Path], wanted: Callable[[str], bool]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _wanted_tensors(files: list[Path], wanted: Callable[[str], bool]) -> list[tuple[Path, str]]:
+    """(file, name) of each tensor to read, in file order."""
+    found: list[tuple[Path, str]] = []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            names = [name for name in f.keys() if wanted(name)]
-        for name in names:
-            # One mapping per tensor: the file's pages leave this process's resident memory
-            # as each closes, instead of adding the whole file to the peak (465 MB measured
-            # on the default model's float32 folder).
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                yield name, f.get_tensor(name)
+            found += [(path, name) for name in f.keys() if wanted(name)]
+    return found
+
+
+def _read_tensors(found: list[tuple[Path, str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path, name in found:
+        # One mapping per tensor: the file's pages leave this process's resident memory as each
+        # closes, instead of adding the whole file to the peak (465 MB measured on the default
+        # model's float32 folder).
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield name, f.get_tensor(name)
 
 
 def _progress(
-    tensors: Iterator[tuple[str, torch.Tensor]], folder: Path
+    tensors: Iterator[tuple[str, torch.Tensor]], total: int, folder: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    return tqdm(tensors, desc=f"loading {folder.name}", unit=" tensors", leave=False)
+    # A bar for a terminal only: in a log file its redraws are noise.
+    return tqdm(
+        tensors,
+        total=total,
+        desc=f"pie: loading {folder.name}",
+        unit=" tensors",
+        leave=False,
+        disable=None,
+    )
 
 
 def _is_ignored(name: str, model: CausalLM) -> bool:

@@ -10,9 +10,10 @@ import time
 from typing import Any
 
 import logprobs
+from api_errors import ApiError
 from inferlet import Context, runtime, serving
 from inferlet.serving import HttpError
-from params import MAX_PROMPT_TOKENS, ApiError, Params, refuse_unsupported
+from params import MAX_PROMPT_TOKENS, Params, refuse_unsupported
 
 FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logit_bias",

@@ -17,15 +17,10 @@ import logprobs
 import responses
 import speech_out
 import tools
+from api_errors import ApiError, error_body
 from inferlet import Context, HostError, Model, models, runtime, serving
 from inferlet.serving import HttpError, Request, Response
-from params import (
-    CHAT_FIELDS,
-    ApiError,
-    Params,
-    error_body,
-    refuse_unsupported,
-)
+from params import CHAT_FIELDS, Params, refuse_unsupported
 from prompt import Prompt
 
 
@@ -73,7 +68,7 @@ async def _route(request: Request) -> Any:
     if route == ("POST", "/audio/speech"):
         body = _body(request)
         return await speech_out.create_speech(_served(body.get("model")), body)
-    raise HttpError(404, f"no route {request.method} {request.path}")
+    raise ApiError(404, f"no route {request.method} {request.path}", "unknown_url")
 
 
 async def chat_completion(model: Any, body: dict[str, Any]) -> Any:
@@ -263,11 +258,15 @@ def _served(requested: Any) -> Any:
 
 class ModelNotFound(ApiError):
     def __init__(self, requested: Any) -> None:
-        super().__init__(404, f"The model `{requested}` does not exist", "model_not_found")
+        message = f"The model `{requested}` does not exist"
+        super().__init__(404, message, "model_not_found", param="model")
 
 
 def _body(request: Request) -> dict[str, Any]:
-    body = request.json()
+    try:
+        body = request.json()
+    except HttpError as error:
+        raise ApiError(400, error.message, "invalid_json") from None
     if not isinstance(body, dict):
-        raise HttpError(400, "the request body must be a JSON object")
+        raise ApiError(400, "the request body must be a JSON object", "invalid_json")
     return body

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from api_errors import ApiError
 from content import content_of
 from inferlet import Context, Grammar, HostError, Sampler
 from inferlet.serving import HttpError
@@ -48,7 +49,7 @@ def refuse_unsupported(
     for field, value in body.items():
         if field in supported or value is None or value in defaults.get(field, ()):
             continue
-        raise HttpError(400, f"{field}: not supported by this server")
+        raise ApiError(400, f"{field}: not supported by this server", "unsupported_parameter")
 
 
 class Params:
@@ -240,23 +241,6 @@ def message(given: Any, where: str) -> dict[str, Any]:
         raise HttpError(400, f"{where}.role: one of {', '.join(ROLES)}")
     text, media = content_of(given.get("content"), f"{where}.content")
     return {"role": role, "content": text, "media": media}
-
-
-class ApiError(HttpError):
-    """An HttpError that names its OpenAI error code."""
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(status, message)
-        self.code = code
-
-
-def error_body(error: HttpError) -> dict[str, Any]:
-    """The OpenAI API's error object: `param` is the field the message starts with."""
-    field, sep, _ = error.message.partition(": ")
-    param = field if sep and " " not in field else None
-    kind = "invalid_request_error" if error.status < 500 else "server_error"
-    code = getattr(error, "code", None)
-    return {"error": {"message": error.message, "type": kind, "param": param, "code": code}}
 
 
 def text_of(content: Any, where: str) -> str:

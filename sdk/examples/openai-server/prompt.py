@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from api_errors import ApiError
 from content import MAX_MEDIA_PARTS, Budget, MediaPart, load
 from inferlet import Audio, Context, HostError, Image, Video
 from inferlet.chat import split_rendered
 from inferlet.media import Media
 from inferlet.serving import HttpError
-from params import MAX_PROMPT_TOKENS, ApiError
+from params import MAX_PROMPT_TOKENS
 
 KINDS: dict[str, Any] = {"image": Image, "video": Video, "audio": Audio}
 

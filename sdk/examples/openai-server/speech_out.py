@@ -9,10 +9,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from api_errors import ApiError
 from inferlet import HostError, Model, models, runtime
 from inferlet.serving import HttpError, Response
 from inferlet.speech import max_seconds, voices
-from params import ApiError, chat_messages, refuse_unsupported, text_of
+from params import chat_messages, refuse_unsupported, text_of
 
 MAX_SPEECH_SECONDS = 30.0
 """The longest clip a request produces (the engine's [media] speech_max_seconds bounds it too:
