@@ -26,6 +26,7 @@ from pie.sandbox import InvalidProgram
 from pie.server.hub import Hub, Refused
 from pie.server.installed import InstalledPrograms
 from pie.server.session import CLOSE_POLICY, Session
+from pie.server.status import engine_status, model_card
 from pie.server.uploads import PendingBytes, Upload, check_hash
 from pie.wire import messages as msg
 
@@ -201,7 +202,9 @@ class Server:
             server=f"pie {__version__}",
             model=self.engine.info.model_name,
             auth_required=self.auth_required,
-            models=tuple(_card(m.name, m.info.inputs, m.info.outputs) for m in self.engine.models),
+            models=tuple(
+                model_card(m.name, m.info.inputs, m.info.outputs) for m in self.engine.models
+            ),
         )
 
     def new_nonce(self) -> str:
@@ -362,38 +365,7 @@ class Server:
             raise Refused("invalid-program", str(err)) from None
 
     def engine_status(self, corr: int) -> msg.EngineStatus:
-        stats = self.engine.statistics()
-        return msg.EngineStatus(
-            corr=corr,
-            model=self.engine.info.model_name,
-            pages_total=stats.kv.pages_total,
-            pages_free=stats.kv.pages_free,
-            contexts=stats.kv.contexts,
-            passes=stats.inference.passes,
-            mean_batch_size=stats.scheduler.mean_batch_size,
-            last_pass_ms=stats.inference.last_pass_seconds * 1000,
-            inferlets_running=stats.inferlets.running,
-            inferlets_queued=stats.inferlets.queued,
-            pages_cached=stats.kv.pages_cached,
-            prefix_hit_tokens=stats.kv.prefix_hit_tokens,
-            driver_threads=self.engine.info.threads,
-            adapters=self.engine.info.adapters,
-            memory_resident_mb=stats.memory.resident,
-            memory_model_mb=stats.memory.model,
-            memory_kv_used_mb=stats.memory.kv_used,
-            memory_kv_pool_mb=stats.memory.kv_pool,
-            memory_other_mb=stats.memory.other,
-            models=tuple(
-                msg.ModelLoad(
-                    card=_card(m.name, m.inputs, m.outputs),
-                    pages_total=m.kv.pages_total,
-                    pages_free=m.kv.pages_free,
-                    contexts=m.kv.contexts,
-                    passes=m.inference.passes,
-                )
-                for m in stats.models
-            ),
-        )
+        return engine_status(self.engine, corr)
 
     def count_frame(self, message: Any) -> None:
         """Counts a frame sent to a client: a reply by its outcome, or an event."""
@@ -422,10 +394,6 @@ class _CountedSession(Session):
     def post(self, message: Any) -> None:
         self.server.count_frame(message)
         super().post(message)
-
-
-def _card(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> msg.ModelCard:
-    return msg.ModelCard(name=name, inputs=inputs, outputs=outputs)
 
 
 def _found(corr: int, info: Any) -> msg.ProgramFound:
