@@ -46,6 +46,10 @@ def _describe(event: Any) -> str:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    if getattr(args, "inferlet", None):
+        from pie.cli.replay_inferlet import run_inferlet_replay
+
+        return run_inferlet_replay(args)
     from pie.actors.kv import KvCore
     from pie.eventlog import LogGap, read_log
     from pie.eventlog.replay import replay

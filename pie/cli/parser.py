@@ -169,6 +169,14 @@ def add_log_parsers(commands: Commands) -> None:
     replay = commands.add_parser("replay", help="replay an actor's inputs from an event log")
     replay.add_argument("file")
     replay.add_argument("--actor", default="kv", choices=["kv"])
+    replay.add_argument(
+        "--inferlet", metavar="ID", help="run this recorded inferlet again against its host calls"
+    )
+    replay.add_argument(
+        "--program",
+        metavar="PATH",
+        help="with --inferlet: run this .wasm instead of the recorded one",
+    )
 
 
 def add_bench_parsers(commands: Commands) -> None:
