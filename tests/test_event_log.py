@@ -174,7 +174,7 @@ def test_replay_refuses_a_log_with_a_gap_and_pie_log_shows_it(
         log.append("a", "kv", created(corr))
     file.gate.set()
     log.close()
-    assert run_replay(argparse.Namespace(file=path, actor="kv")) == 2
+    assert run_replay(argparse.Namespace(file=path, actor="kv", inferlet=None)) == 2
     assert "cannot replay an incomplete log" in capsys.readouterr().err
     assert run_log(argparse.Namespace(file=path, actor=None, corr=None, limit=0, tree=None)) == 0
     assert "records not in the file (seq 3 to 5)" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from pie.events import http as http_ev
 from pie.events import inferlet as inf_ev
 from pie.events import kv as kv_ev
 from pie.events import mcp as mcp_ev
+from pie.events import recording as rec_ev
 from pie.events import speculation as spec_ev
 from pie.events.forward import ForwardRequest, MediaRun, PageCopy
 from pie.events.sampling import (
@@ -251,6 +252,7 @@ SAMPLES = (
     PageCopy(src=1, dst=2),
     MediaRun(index=2, count=3, media="9f2c", offset=1),
     kv_ev.AttentionWindow(sink_pages=0, window_pages=2),
+    rec_ev.HostCallsRecorded(instance="i1", first=3, calls='[["model.load",[""],{"ok":1}]]'),
     REQUEST,
     *OPS,
     *SLOTS,

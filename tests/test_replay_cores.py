@@ -13,12 +13,15 @@ import trio
 import wasmtime
 
 from pie.config import EngineConfig, with_overrides
+from pie.dataplane.former import BatchPolicy
+from pie.dataplane.tape import RecordingFormer
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import open_engine
 from pie.engine.replay import NotReplayable, replay_cores
 from pie.eventlog import Envelope, read_log
 from pie.events import bus
-from pie.events.batching import FormerNext, FormerSteps
+from pie.events.batching import EngineStarted, FormerNext, FormerSteps, ScheduleForward
+from pie.events.forward import ForwardRequest
 from pie.events.sampling import Argmax, SamplingSlot
 
 pytestmark = pytest.mark.integration
@@ -85,25 +88,51 @@ def test_every_core_replays_exactly(recorded: list[Envelope]) -> None:
     assert formed, "the four decoders were never batched together"
 
 
-def test_a_changed_clock_reading_changes_the_formers_decisions(recorded: list[Envelope]) -> None:
-    """While the contexts of the last pass are awaited, the former waits for them until its
-    watchdog runs out: with every such wait's clock reading moved past the watchdog, replay
-    fires a pass where the run formed none."""
+def test_a_changed_clock_reading_changes_the_formers_decisions() -> None:
+    """Two contexts decode; after a pass, the former waits for both to come back until its
+    watchdog (one pass time) runs out. Recorded, the waiting replays exactly; with the clock
+    reading of a wait moved past the watchdog, replay fires a pass where the run formed none."""
+    steps: list[Any] = []
+    former = RecordingFormer(BatchPolicy(), lambda recorded: steps.extend(recorded))
+    requests = {corr: _decode(corr, context) for corr, context in ((1, 1), (2, 2), (3, 1))}
+    former.submit(requests[1], now=0.0)
+    former.submit(requests[2], now=0.0)
+    assert former.next_batch(0.0) is not None
+    former.pass_finished(0.010, now=0.010)
+    former.submit(requests[3], now=0.012)  # context 2 has not come back yet
+    assert former.next_batch(0.012) is None  # the watchdog waits until 0.020
+    former.flush()
+    log = _log(requests, steps)
+    (exact,) = replay_cores(log, "former")
+    assert exact.result.exact and exact.result.outputs == 2
 
-    def later(step: Any) -> Any:
-        waited = isinstance(step, FormerNext) and not step.batch
-        return attrs.evolve(step, now=step.now + 1000.0) if waited else step
+    waited = len(steps) - 1
+    assert isinstance(steps[waited], FormerNext) and steps[waited].batch == 0
+    steps[waited] = attrs.evolve(steps[waited], now=0.050)
+    (changed,) = replay_cores(_log(requests, steps), "former")
+    assert not changed.result.exact
+    assert changed.result.mismatches[0].startswith(f"step {waited}: next pass: recorded")
 
-    changed = [
-        attrs.evolve(env, event=attrs.evolve(env.event, steps=tuple(map(later, env.event.steps))))
-        if isinstance(env.event, FormerSteps)
-        else env
-        for env in recorded
+
+def _decode(corr: int, context: int) -> ForwardRequest:
+    return ForwardRequest(
+        corr=corr, requester="a", context=context, tokens=(7,), positions=(0,), kv_start=0,
+        pages=(context,), slots=GREEDY,
+    )  # fmt: skip
+
+
+def _log(requests: dict[int, ForwardRequest], steps: list[Any]) -> list[Envelope]:
+    started = EngineStarted(
+        model="m", vocab_size=10, page_size=4, num_pages=8, max_batch_tokens=512,
+        max_batch_requests=64,
+    )  # fmt: skip
+    events: list[tuple[str, str, Any]] = [("engine", "engine", started)]
+    events += [("kv", "inference", ScheduleForward(request=r)) for r in requests.values()]
+    events.append(("inference", "inference.former", FormerSteps(model="m", steps=tuple(steps))))
+    return [
+        Envelope(seq=seq, time=0.0, src=src, dst=dst, corr=None, event=event)
+        for seq, (src, dst, event) in enumerate(events, start=1)
     ]
-    (former,) = replay_cores(changed, "former")
-    assert not former.result.exact
-    assert "next pass: recorded FormerNext" in former.result.mismatches[0]
-    assert "batch=0" in former.result.mismatches[0].split("replayed")[0]
 
 
 def test_a_changed_bus_reply_is_a_mismatch(recorded: list[Envelope]) -> None:

@@ -91,7 +91,12 @@ def _describe(event: Any) -> str:
 
 def run_replay(args: argparse.Namespace) -> int:
     """Replays every pure core (or those of `--actor`) and reports each by name: exit 0 when
-    all are exact, 1 on a mismatch, 2 when the log cannot be replayed."""
+    all are exact, 1 on a mismatch, 2 when the log cannot be replayed. With `--inferlet`, runs
+    one recorded program again instead."""
+    if args.inferlet:
+        from pie.cli.replay_inferlet import run_inferlet_replay
+
+        return run_inferlet_replay(args)
     from pie.engine.replay import NotReplayable, replay_cores
     from pie.eventlog import LogGap, read_log
 

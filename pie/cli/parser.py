@@ -189,6 +189,14 @@ def add_log_parsers(commands: Commands) -> None:
         choices=["kv", "bus", "inferlets", "former"],
         help="only this kind of core (default: all of them)",
     )
+    replay.add_argument(
+        "--inferlet", metavar="ID", help="run this recorded inferlet again against its host calls"
+    )
+    replay.add_argument(
+        "--program",
+        metavar="PATH",
+        help="with --inferlet: run this .wasm instead of the recorded one",
+    )
 
 
 def add_bench_parsers(commands: Commands) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 from attrs import field, frozen
 
-from pie.config.checks import at_least, choice, share
+from pie.config.checks import at_least, choice, positive, share
 
 DEFAULT_MODEL = "smollm2-135m"
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}")
@@ -166,6 +166,13 @@ class EventLogConfig:
     ring_payload_chars: int = field(default=256, validator=at_least(0))
     """Of each text or bytes field of an event, what the in-memory ring keeps (0: all); the
     file keeps every event whole."""
+    record_inferlets: bool = False
+    """Also record every host call each inferlet makes and what it got back, so that `pie replay
+    --inferlet` can run the program again without the model (docs/event-log.md)."""
+    record_max_mb: float = field(default=64.0, validator=positive)
+    """Bytes one inferlet's recording may hold; past that it stops, and the log says so."""
+    record_user_mb: float = field(default=1024.0, validator=positive)
+    """Bytes the recordings of one user's inferlets may hold together over the engine's run."""
 
 
 @frozen(kw_only=True)

@@ -18,6 +18,7 @@ from pie.actors.inference import InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
 from pie.actors.inferlet.core import AdmissionLimits
 from pie.actors.inferlet.files import FileLayout, Quota
+from pie.actors.inferlet.recording import recording_limits
 from pie.actors.kv import KvStatistics
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
@@ -213,6 +214,7 @@ class Engine:
             max_matchers=self.config.grammar.max_matchers_per_inferlet,
             max_media=self.config.media.max_items_per_inferlet,
             tracing=self.tracing,
+            recording=recording_limits(self.config.event_log),
         )
 
     async def _start(self) -> None:

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import attrs
 
-from pie.events import batching, bus, forward, http, inferlet, kv, mcp, sampling, speculation
+from pie.events import (
+    batching,
+    bus,
+    forward,
+    http,
+    inferlet,
+    kv,
+    mcp,
+    recording,
+    sampling,
+    speculation,
+)
 
-EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation, http, mcp)
+EVENT_MODULES = (kv, batching, bus, forward, sampling, inferlet, speculation, http, mcp, recording)
 
 
 def _event_classes() -> tuple[type, ...]:

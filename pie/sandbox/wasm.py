@@ -7,11 +7,12 @@ a bare ctypes callback that converts nothing costs 1.5 µs."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import wasmtime
@@ -232,11 +233,31 @@ def _host_finalize(idx):  # type: ignore[no-untyped-def]
         _HOST_FUNCS.deallocate(idx or 0)
 
 
+HostWrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
+"""Given a host function's name and body, the body to define in its place."""
+
+_wrapping = threading.local()
+
+
+@contextlib.contextmanager
+def wrapping(wrap: HostWrap | None) -> Iterator[None]:
+    """While open, `add_host_func` on this thread defines `wrap(name, fn)` in place of `fn` (a
+    linker whose calls are recorded or replayed)."""
+    _wrapping.wrap = wrap
+    try:
+        yield
+    finally:
+        _wrapping.wrap = None
+
+
 def add_host_func(instance: LinkerInstance, name: str, fn: Callable[..., Any]) -> None:
     """Defines `name` in `instance` as `fn(*wit_args)`. A `result<T, E>` return type takes
     `Ok(v)` / `Err(e)`; an exception traps the guest and is re-raised to whoever called into
     wasm on that thread."""
     install_thread_safe_exceptions()
+    wrap: HostWrap | None = getattr(_wrapping, "wrap", None)
+    if wrap is not None:
+        fn = wrap(name, fn)
     instance._assert_not_locked()
     encoded = name.encode("utf-8")
     idx = _HOST_FUNCS.allocate(_HostFunc(name, fn))

@@ -15,6 +15,7 @@ import trio
 from pie.actors.inferlet.core import InferletCore, InferletStatistics, Instance
 from pie.actors.inferlet.files import FileLayout, InstanceFiles
 from pie.actors.inferlet.programs import Program
+from pie.actors.inferlet.recording import InstanceRecordings
 from pie.actors.requester import REPLIES
 from pie.actors.runtime import CAUSE, Actor, MailboxOverrun, Router
 from pie.dataplane.lanes import Lanes
@@ -34,6 +35,7 @@ from pie.sandbox import (
 from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
 from pie.sandbox.host.media import release_all as release_media
 from pie.sandbox.host.speech import release_all as release_speech
+from pie.sandbox.recording import RecordingLimits, bind_recorder
 from pie.sandbox.wasm import record
 
 if TYPE_CHECKING:
@@ -104,9 +106,11 @@ class InferletActor(Actor):
         max_matchers: int = 64,
         max_media: int = 64,
         tracing: Tracing | None = None,
+        recording: RecordingLimits | None = None,
     ) -> None:
         """`lanes`: each model's fast path (those of `models`' views), opened to every
-        instance. `tracing`: the engine's spans, when on (a span per launch)."""
+        instance. `tracing`: the engine's spans, when on (a span per launch). `recording`:
+        record every instance's host calls into the log, within these limits."""
         super().__init__("inferlets", router, capacity=65536)
         self.lanes = tuple(lanes)
         self.core = core
@@ -124,6 +128,7 @@ class InferletActor(Actor):
         self.tracing = tracing
         self._linker = wasm.new_linker()
         add_inferlet_api(self._linker)
+        self._recordings = InstanceRecordings(wasm, recording) if recording else None
         self._kills: dict[str, KillSwitch] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -245,6 +250,8 @@ class InferletActor(Actor):
             # Guest threads yield to the driver thread, so a busy guest never delays a pass.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._guest_niceness)
         bind(state)
+        recorder = self._recordings.recorder(state) if self._recordings else None
+        bind_recorder(recorder)
         started = time.monotonic()
         try:
             outcome = self._execute(state, program, instance, limits)
@@ -257,6 +264,9 @@ class InferletActor(Actor):
             )
         finally:
             bind(None)
+            bind_recorder(None)
+            if recorder is not None:
+                recorder.close()
             state.runs.cancel_all()
             state.grammar.close_all()
             release_media(state)
@@ -283,14 +293,15 @@ class InferletActor(Actor):
                 )
 
         request = instance.request
+        recordings = self._recordings
         outcome = self.wasm.run(
             component,
-            self._linker,
+            recordings.linker_for(component) if recordings else self._linker,
             instance.input,
             limits=limits,
             kill=state.kill,
             on_output=on_output,
-            request=None if request is None else _request_record(request),
+            request=None if request is None else request_record(request),
         )
         if request is None or not outcome.returned:
             return outcome
@@ -345,7 +356,8 @@ def _trace_launches(tracing: Tracing, core: InferletCore, outputs: list[tuple[st
             tracing.ended(event.instance, outcome.status, outcome.error)
 
 
-def _request_record(request: ev.IncomingRequest) -> Any:
+def request_record(request: ev.IncomingRequest) -> Any:
+    """The `incoming-request` record an HTTP-served program's `handle` takes."""
     return record(
         method=request.method,
         path=request.path,

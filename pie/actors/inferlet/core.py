@@ -19,6 +19,7 @@ from attrs import define, field, frozen
 from pie.actors.inferlet.programs import ProgramError, ProgramInfo, ProgramRegistry
 from pie.events import inferlet as ev
 from pie.events.kv import Done, RequestFailed
+from pie.events.recording import HostCallsRecorded
 
 Output = tuple[str, Any]
 
@@ -137,8 +138,10 @@ class InferletCore:
         ev.ResponseStarted,
         ev.ResponseBody,
         ev.InferletFinished,
+        HostCallsRecorded,
     )
-    """Commands from launchers, what running guests emit, and the shell's record of their ends."""
+    """Commands from launchers, what running guests emit, and the shell's record of their ends;
+    recorded host calls come only to be logged."""
 
     def __init__(self, programs: ProgramRegistry, limits: AdmissionLimits) -> None:
         self.programs = programs
@@ -170,6 +173,8 @@ class InferletCore:
                 return [(instance.launcher, event)] if instance else []
             case ev.InferletFinished():
                 return self._finished(event)
+            case HostCallsRecorded():
+                return []
         raise TypeError(f"inferlet actor got an unexpected event {type(event).__name__}")
 
     def _launch(self, event: ev.LaunchInferlet) -> list[Output]:

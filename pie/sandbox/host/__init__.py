@@ -6,6 +6,9 @@ instance runs on a thread of its own; so one linker serves every instance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from wasmtime.component import Linker
 
 from pie.sandbox.host import (
@@ -32,6 +35,7 @@ from pie.sandbox.host.state import (
     bind,
     current,
 )
+from pie.sandbox.wasm import HostWrap, wrapping
 
 TYPES_INTERFACE = "pie:inferlet/types@0.1.0"
 INTERFACES = (
@@ -52,23 +56,36 @@ INTERFACES = (
 )
 
 
-def add_inferlet_api(linker: Linker) -> None:
-    """Defines every interface of the `inferlet` world on `linker`."""
+InterfaceWrap = Callable[[str, str, Callable[..., Any]], Callable[..., Any]]
+"""Given an interface's name, a function's name and its body, the body to define instead."""
+
+
+def add_inferlet_api(linker: Linker, wrap: InterfaceWrap | None = None) -> None:
+    """Defines every interface of the `inferlet` world on `linker`; with `wrap`, each function
+    as `wrap(interface, name, fn)` (recording, replay)."""
     root = linker.root()
     try:
         # Only types live in `types`; components still import it as an instance.
         root.add_instance(TYPES_INTERFACE).close()
         for module in INTERFACES:
             with root.add_instance(module.INTERFACE) as instance:
-                module.register(instance)
+                with wrapping(_bound_to(wrap, module.INTERFACE)):
+                    module.register(instance)
     finally:
         root.close()
+
+
+def _bound_to(wrap: InterfaceWrap | None, interface: str) -> HostWrap | None:
+    if wrap is None:
+        return None
+    return lambda name, fn: wrap(interface, name, fn)
 
 
 __all__ = [
     "Bridge",
     "HostFailure",
     "InstanceState",
+    "InterfaceWrap",
     "ModelView",
     "add_inferlet_api",
     "bind",
