@@ -6,7 +6,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from attrs import frozen
@@ -16,8 +16,6 @@ from pie.actors.bus import BusCore, BusLimits, BusStatistics
 from pie.actors.http import HttpActor, HttpStatistics
 from pie.actors.inference import InferenceStatistics
 from pie.actors.inferlet import InferletActor, InferletCore, InferletStatistics, ProgramRegistry
-from pie.actors.inferlet.core import AdmissionLimits
-from pie.actors.inferlet.files import FileLayout, Quota
 from pie.actors.inferlet.recording import recording_limits
 from pie.actors.kv import KvStatistics
 from pie.actors.mcp import McpActor, McpStatistics
@@ -25,28 +23,27 @@ from pie.actors.requester import InferletOutcome, Requester, correlation_ids
 from pie.actors.runtime import CoreActor, MailboxStatistics, Router
 from pie.config import (
     EngineConfig,
-    GrammarConfig,
-    NetworkConfig,
-    SandboxConfig,
     default_cache_dir,
     with_overrides,
 )
 from pie.dataplane import BatchStatistics, SpeculationStatistics
 from pie.drivers.base import Driver, DriverInfo
 from pie.drivers.memory import MemoryUse, memory_use
+from pie.engine.parts import (
+    admission_limits,
+    engine_tracing,
+    fetch_quota,
+    fetcher,
+    file_layout,
+    grammars,
+    locked_encode,
+)
 from pie.engine.records import record_start
 from pie.engine.stack import ModelStack, build_stack
 from pie.eventlog import EventLog
-from pie.grammar import GrammarLimits, Grammars
-from pie.net.fetch import Fetcher, Limits
-from pie.net.policy import NetworkPolicy
-from pie.net.quota import FetchQuota
 from pie.sandbox import SandboxLimits, WasmRuntime
 from pie.sandbox.host import ModelView
 from pie.sandbox.host.records import SpeechHolds, SpeechLimits
-
-if TYPE_CHECKING:
-    from pie.observe.tracing import Tracing
 
 
 @frozen(kw_only=True)
@@ -105,7 +102,7 @@ class Engine:
             else None
         )
         self.router = Router(self.log)
-        self.tracing = _tracing(config)
+        self.tracing = engine_tracing(config)
         """The engine's OpenTelemetry spans ([tracing]); None when off."""
         self._nursery = nursery
         self._corr = correlation_ids()
@@ -139,7 +136,7 @@ class Engine:
                 stack.inference.observe_passes(self.tracing.record_pass(stack.name))
         self.bus = CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
         self.http = HttpActor(
-            _fetcher(config.network, self.tracing), self.router, _fetch_quota(config.network)
+            fetcher(config.network, self.tracing), self.router, fetch_quota(config.network)
         )
         self.mcp = McpActor(config.mcp, self.router, tracing=self.tracing)
         self.programs = ProgramRegistry()
@@ -179,7 +176,7 @@ class Engine:
             vocab_size=stack.info.vocab_size,
             page_size=stack.info.page_size,
             max_batch_tokens=stack.policy.max_batch_tokens,
-            grammars=_grammars(self.config.grammar, stack.tokenizer, stack.info.vocab_size),
+            grammars=grammars(self.config.grammar, stack.tokenizer, stack.info.vocab_size),
             adapters=stack.info.adapters,
             kv=stack.kv_address,
             lanes=stack.lanes if fast else None,
@@ -190,13 +187,13 @@ class Engine:
             speech_holds=self.speech_holds if stack.speech is not None else None,
         )
         if store is not None:
-            store.tokenize = _locked_encode(view)
+            store.tokenize = locked_encode(view)
         return view
 
     def _inferlet_actor(self) -> InferletActor:
         sandbox = self.config.sandbox
         return InferletActor(
-            InferletCore(self.programs, _admission_limits(sandbox)),
+            InferletCore(self.programs, admission_limits(sandbox)),
             self.router,
             wasm=self.wasm,
             models=[self._view(stack) for stack in self.models],
@@ -205,7 +202,7 @@ class Engine:
             ),
             corr=self._corr,
             version=__version__,
-            files=_file_layout(sandbox),
+            files=file_layout(sandbox),
             subscription_buffer=sandbox.subscription_buffer,
             subscription_bytes=sandbox.subscription_buffer_mb << 20,
             subscriptions_bytes=sandbox.subscription_buffer_inferlet_mb << 20,
@@ -351,16 +348,6 @@ def with_snapshots_dir(config: EngineConfig) -> EngineConfig:
     return with_overrides(config, kv={"snapshots_dir": str(components.parent / "snapshots")})
 
 
-def _locked_encode(view: ModelView) -> Callable[[str], list[int]]:
-    """The model's tokenizer under the lock every other user of it takes."""
-
-    def encode(text: str) -> list[int]:
-        with view.lock:
-            return list(view.tokenizer.encode(text))
-
-    return encode
-
-
 def _model_statistics(stack: ModelStack) -> ModelStatistics:
     return ModelStatistics(
         name=stack.name,
@@ -369,67 +356,4 @@ def _model_statistics(stack: ModelStack) -> ModelStatistics:
         kv=stack.kv.statistics(),
         scheduler=stack.inference.batch_statistics(),
         inference=stack.inference.statistics(),
-    )
-
-
-def _grammars(config: GrammarConfig, tokenizer: Any, vocab_size: int) -> Grammars | None:
-    """The model's grammar engine; none for an engine without a real tokenizer."""
-    if not hasattr(tokenizer, "backend_json"):
-        return None
-    limits = GrammarLimits(
-        max_source_bytes=config.max_source_kb << 10,
-        cache_entries=config.cache_entries,
-        max_matchers_per_user=config.max_matchers_per_user,
-    )
-    return Grammars(tokenizer.backend_json, vocab_size, sorted(tokenizer.stop_token_ids), limits)
-
-
-def _fetch_quota(config: NetworkConfig) -> FetchQuota:
-    return FetchQuota(
-        per_inferlet=config.max_fetches_per_inferlet, per_user=config.max_fetches_per_user
-    )
-
-
-def _tracing(config: EngineConfig) -> Tracing | None:
-    """The engine's spans ([tracing]); None when off, and OpenTelemetry is not even loaded."""
-    if not config.tracing.enabled:
-        return None
-    from pie.observe.tracing import Tracing
-
-    return Tracing(config.tracing)
-
-
-def _fetcher(config: NetworkConfig, tracing: Tracing | None = None) -> Fetcher:
-    limits = Limits(
-        timeout_seconds=config.timeout_seconds,
-        max_response_bytes=int(config.max_response_mb * (1 << 20)),
-        max_redirects=config.max_redirects,
-    )
-    policy = NetworkPolicy.parse(config.allow, config.deny)
-    return Fetcher(policy, limits, max_connections=config.max_connections, tracing=tracing)
-
-
-def _admission_limits(sandbox: SandboxConfig) -> AdmissionLimits:
-    return AdmissionLimits(
-        max_concurrent=sandbox.max_concurrent,
-        max_per_user=sandbox.max_inferlets_per_user,
-        max_running_per_user=sandbox.max_running_per_user,
-        max_children=sandbox.max_children,
-        max_depth=sandbox.max_child_depth,
-        memory_cap=sandbox.memory_mb << 20,
-        memory_budget=sandbox.guest_memory_bytes,
-    )
-
-
-def _file_layout(config: SandboxConfig) -> FileLayout:
-    return FileLayout(
-        scratch_root=config.scratch_dir,
-        scratch_quota=Quota(
-            max_bytes=config.scratch_quota_mb * (1 << 20), max_files=config.scratch_max_files
-        ),
-        persist_root=config.persist_dir,
-        persist_quota=Quota(
-            max_bytes=config.persist_quota_mb * (1 << 20), max_files=config.persist_max_files
-        ),
-        check_seconds=config.files_check_ms / 1000,
     )
