@@ -3,7 +3,9 @@ carries exactly one tier marker (docs/development.md#tests)."""
 
 from __future__ import annotations
 
+import atexit
 import inspect
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +48,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from tests.compile_memo import install
 
     cache = getattr(session.config, "cache", None)
-    install(Path(cache.mkdir("pie-compiled")) if cache else Path(tempfile.mkdtemp("-pie-compiled")))
+    if cache is not None:
+        install(Path(cache.mkdir("pie-compiled")))
+    else:  # kept for this run only: compiled components are tens of megabytes each
+        folder = Path(tempfile.mkdtemp("-pie-compiled"))
+        install(folder)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
