@@ -30,6 +30,7 @@ ALLOWED = {
     "pie.drivers": {"pie.config", "pie.events", "pie.media"},
     "pie.media": {"pie.config"},
     "pie.dataplane": {"pie.drivers", "pie.events"},
+    "pie.observe": {"pie.config", "pie.dataplane", "pie.events"},
     "pie.actors": {
         "pie",
         "pie.config",
@@ -39,6 +40,7 @@ ALLOWED = {
         "pie.eventlog",
         "pie.events",
         "pie.net",
+        "pie.observe",
         "pie.sandbox",
     },
     "pie.engine": {
@@ -51,6 +53,7 @@ ALLOWED = {
         "pie.events",
         "pie.grammar",
         "pie.net",
+        "pie.observe",
         "pie.sandbox",
     },
     "pie.server": {
@@ -58,9 +61,12 @@ ALLOWED = {
         "pie.actors",
         "pie.build",
         "pie.config",
+        "pie.dataplane",
         "pie.durable",
         "pie.engine",
+        "pie.eventlog",
         "pie.events",
+        "pie.observe",
         "pie.sandbox",
         "pie.wire",
     },
@@ -171,6 +177,7 @@ def test_the_command_line_parser_loads_no_command() -> None:
     loaded = _loaded_after("import pie.cli; pie.cli.build_parser().parse_args(['list'])")
     assert {m for m in loaded if m.startswith("pie.")} <= {
         "pie.cli",
+        "pie.cli.bench_parsers",
         "pie.cli.options",
         "pie.cli.parser",
     }

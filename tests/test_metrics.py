@@ -29,12 +29,12 @@ from pie.events.batching import ForwardCompleted
 from pie.events.inferlet import InferletFinished, InferletLaunched, LaunchInferlet
 from pie.events.sampling import Argmax, SamplingSlot, TokenOutput
 from pie.events.speculation import LanePassApplied, LanePassesApplied
-from pie.observe.metrics import EngineMetrics
-from pie.observe.probes import Readiness, Unready, probe_routes, server_readiness
-from pie.observe.token_times import LogTail, TokenTimes
 from pie.server.auth import UserStore
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts
+from pie.server.observe.metrics import EngineMetrics
+from pie.server.observe.probes import Readiness, Unready, probe_routes, server_readiness
+from pie.server.observe.token_times import LogTail, TokenTimes
 from pie.wire import messages as msg
 from tests.inferlet_fixtures import EXAMPLES
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)

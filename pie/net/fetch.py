@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 import socket
 import urllib.parse
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import httpcore
 import trio
@@ -21,8 +22,15 @@ from attrs import frozen
 
 from pie.net.policy import NetworkPolicy, Origin, parse_address
 
-if TYPE_CHECKING:
-    from pie.observe.tracing import Tracing
+
+class Tracing(Protocol):
+    """What the fetcher needs of the engine's traces (pie/observe/tracing.py): a span for the
+    work done for a host call, under that call's span."""
+
+    def serving(
+        self, corr: int, name: str, attributes: Mapping[str, Any]
+    ) -> AbstractContextManager[Any]: ...
+
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 REDIRECTS = frozenset({301, 302, 303, 307, 308})

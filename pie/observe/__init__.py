@@ -1,4 +1,3 @@
-"""What the engine tells its operators about itself: metrics and probes (metrics.py,
-probes.py) and OpenTelemetry traces (tracing.py).
-
-Nothing is imported here, so that importing one part does not load another's libraries."""
+"""OpenTelemetry traces of the engine's work (tracing.py). Nothing is imported here, so that
+importing the package does not load OpenTelemetry; the metrics are the server's
+(pie/server/observe)."""

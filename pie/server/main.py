@@ -14,12 +14,12 @@ import trio
 
 from pie.config import EngineConfig
 from pie.engine import Engine, open_engine, with_snapshots_dir
-from pie.observe.metrics import EngineMetrics
-from pie.observe.probes import probe_routes, server_readiness
 from pie.server.app import Server
 from pie.server.dashboard import Dashboard
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts, prepare_mounts
+from pie.server.observe.metrics import EngineMetrics
+from pie.server.observe.probes import probe_routes, server_readiness
 from pie.server.ports import BoundPorts, PortUnavailable, bind_ports, listen_on
 from pie.server.routes import Route
 

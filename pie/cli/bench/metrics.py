@@ -20,10 +20,10 @@ from pie.cli.bench.inferlets import TEXT_COMPLETION, cached_component
 from pie.config import EngineConfig, MetricsConfig, with_overrides
 from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
-from pie.observe.metrics import EngineMetrics
-from pie.observe.probes import probe_routes
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts
+from pie.server.observe.metrics import EngineMetrics
+from pie.server.observe.probes import probe_routes
 
 
 class TimedMetrics(EngineMetrics):

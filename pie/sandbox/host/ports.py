@@ -84,3 +84,20 @@ class SpeechPort(Protocol):
         the model refuses."""
 
     def cancel(self, requester: str) -> None: ...
+
+
+class LaunchTrace(Protocol):
+    """The spans of one traced launch (pie/observe/tracing.py): one per host-call family, opened
+    when the call starts and closed when its pollable or run is taken or discarded."""
+
+    def opened(
+        self,
+        handle: int,
+        name: str,
+        corr: int | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
+    def closed(
+        self, handle: int, failure: Any = None, attributes: Mapping[str, Any] | None = None
+    ) -> None: ...

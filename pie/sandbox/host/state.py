@@ -8,7 +8,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
@@ -16,15 +16,12 @@ from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
 from pie.sandbox.host.failure import HostFailure
 from pie.sandbox.host.matchertable import MatcherTable
-from pie.sandbox.host.ports import Bridge
+from pie.sandbox.host.ports import Bridge, LaunchTrace
 from pie.sandbox.host.records import Child, ModelView, Pending, Subscription
 from pie.sandbox.host.runtable import RunTable
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
-
-if TYPE_CHECKING:
-    from pie.observe.tracing import LaunchTrace
 
 
 class InstanceState:

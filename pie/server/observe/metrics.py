@@ -17,8 +17,8 @@ from pie import __version__
 from pie.config import MetricsConfig
 from pie.dataplane import PassObserver, PassSummary
 from pie.engine import Engine
-from pie.observe.collector import EngineCollector
-from pie.observe.token_times import Buckets, LogTail, TokenTimes
+from pie.server.observe.collector import EngineCollector
+from pie.server.observe.token_times import Buckets, LogTail, TokenTimes
 
 if TYPE_CHECKING:
     from pie.server.app import Server

@@ -15,7 +15,7 @@ from pie.actors.runtime import MailboxStatistics
 from pie.dataplane import PassTimes
 from pie.engine import Engine
 from pie.engine.stack import ModelStack
-from pie.observe.families import Families
+from pie.server.observe.families import Families
 
 if TYPE_CHECKING:
     from pie.server.app import Server

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from attrs import frozen
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from pie.observe.metrics import EngineMetrics
+from pie.server.observe.metrics import EngineMetrics
 from pie.server.routes import Receive, Route, Scope, Send
 
 if TYPE_CHECKING:
