@@ -203,6 +203,24 @@ SAMPLES = (
     kv_ev.Done(corr=15),
     kv_ev.RequestFailed(corr=16, kind="out_of_pages", message="need 3 pages"),
     batch_ev.ScheduleForward(request=REQUEST),
+    batch_ev.CoresConfigured(kv="{}", scheduler='{"decode_tokens": 16}', bus="{}", admission="{}"),
+    batch_ev.FormerSteps(
+        model="m",
+        steps=(
+            batch_ev.FormerSubmit(corr=1, now=0.5),
+            batch_ev.FormerDrop(corr=2),
+            batch_ev.FormerFinished(seconds=0.01, now=0.51),
+            batch_ev.FormerDeadline(ready=1, awaited=True, at=None),
+            batch_ev.FormerNext(
+                now=0.52, ready=0, awaited=False, batch=3, requests=((1, 4, True),), lanes=2
+            ),
+        ),
+    ),
+    batch_ev.FormerSubmit(corr=1, now=0.5),
+    batch_ev.FormerDrop(corr=2),
+    batch_ev.FormerFinished(seconds=0.01, now=0.51),
+    batch_ev.FormerDeadline(ready=1, awaited=True, at=0.6),
+    batch_ev.FormerNext(now=0.52, ready=0, awaited=False),
     batch_ev.ForwardCompleted(corr=19, context=3, outputs=OUTPUTS),
     batch_ev.EngineStarted(
         model="synthetic",
@@ -224,6 +242,7 @@ SAMPLES = (
     bus_ev.TopicMessage(corr=27, topic="news", sender="a", message="extra"),
     kv_ev.ReserveTokens(corr=28, requester="a", context=3, count=40),
     inf_ev.LaunchInferlet(corr=29, requester="a", program="demo@1.0", input='{"x": 1}'),
+    inf_ev.ProgramRegistered(hash="ab" * 32, name="demo", version="1.0", owner=None, size=9),
     inf_ev.InferletLaunched(corr=29, instance="i1", queued=True),
     inf_ev.TerminateInferlet(corr=30, requester="a", instance="i1"),
     inf_ev.DetachInferlet(corr=31, requester="a", instance="i1"),
