@@ -3,6 +3,7 @@ dashboard): each a path prefix and an ASGI-style handler told who is calling."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -32,3 +33,29 @@ def find_route(routes: Sequence[Route], path: str) -> Route | None:
     """The route with the longest prefix that matches `path`, or None."""
     found = [route for route in routes if route.matches(path)]
     return max(found, key=lambda route: len(route.prefix), default=None)
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    """A whole response, never cached."""
+    head = [
+        (b"content-type", content_type.encode()),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        *headers,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def refuse(
+    send: Send, status: int, message: str, kind: str, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """A route's refusal, in the error object the rest of the front answers with."""
+    error = {"message": message, "type": kind, "param": None, "code": kind}
+    await respond(send, status, json.dumps({"error": error}).encode(), "application/json", headers)

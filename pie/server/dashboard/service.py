@@ -15,7 +15,7 @@ from pie.config import DashboardConfig
 from pie.eventlog import Envelope
 from pie.server.dashboard.state import Timeline, engine_state
 from pie.server.dashboard.tail import Refusal, Tail, TailFilter, TailHub, render
-from pie.server.routes import Receive, Route, Scope, Send
+from pie.server.routes import Receive, Route, Scope, Send, refuse, respond
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -96,11 +96,11 @@ class Dashboard:
     async def _page(self, scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
         path = scope["path"].removeprefix(PREFIX).rstrip("/")
         if scope["method"] != "GET":
-            await _refuse(send, Refusal(405, "method_not_allowed", "the dashboard takes GET"))
+            await refuse(send, 405, "the dashboard takes GET", "method_not_allowed")
         elif path not in ASSETS:
-            await _refuse(send, Refusal(404, "not_found", f"no dashboard file {scope['path']}"))
+            await refuse(send, 404, f"no dashboard file {scope['path']}", "not_found")
         else:
-            await _respond(send, 200, self._assets[path], ASSETS[path][1], PAGE_HEADERS)
+            await respond(send, 200, self._assets[path], ASSETS[path][1], PAGE_HEADERS)
 
     # -- the state -----------------------------------------------------------------------------
 
@@ -110,9 +110,9 @@ class Dashboard:
         try:
             self._check(scope, user)
         except Refusal as refusal:
-            await _refuse(send, refusal)
+            await refuse(send, refusal.status, refusal.message, refusal.kind)
             return
-        await _respond(send, 200, await self._state_body(), "application/json")
+        await respond(send, 200, await self._state_body(), "application/json")
 
     async def _state_body(self) -> bytes:
         """The state, computed at most once per `refresh_seconds` however many ask."""
@@ -139,7 +139,7 @@ class Dashboard:
             assert user is not None  # _check lets no one anonymous through
             tail = self.hub.open(user, filter)
         except Refusal as refusal:
-            await _refuse(send, refusal)
+            await refuse(send, refusal.status, refusal.message, refusal.kind)
             return
         try:
             await send(_start(200, "application/x-ndjson", [(b"cache-control", b"no-store")]))
@@ -228,22 +228,3 @@ def _start(
 ) -> dict[str, object]:
     head = [(b"content-type", content_type.encode()), *(headers or [])]
     return {"type": "http.response.start", "status": status, "headers": head}
-
-
-async def _respond(
-    send: Send,
-    status: int,
-    body: bytes,
-    content_type: str,
-    headers: list[tuple[bytes, bytes]] | None = None,
-) -> None:
-    length = [(b"content-length", str(len(body)).encode()), (b"cache-control", b"no-store")]
-    await send(_start(status, content_type, [*length, *(headers or [])]))
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _refuse(send: Send, refusal: Refusal) -> None:
-    """The refusal in the shape every other error of the HTTP front has."""
-    error = {"message": refusal.message, "type": refusal.kind, "param": None, "code": refusal.kind}
-    body = json.dumps({"error": error}).encode()
-    await _respond(send, refusal.status, body, "application/json")

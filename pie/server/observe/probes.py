@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from attrs import frozen
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from pie.server.observe.metrics import EngineMetrics
-from pie.server.routes import Receive, Route, Scope, Send
+from pie.server.routes import Receive, Route, Scope, Send, refuse, respond
 
 if TYPE_CHECKING:
     from pie.server.app import Server
@@ -52,22 +52,22 @@ def probe_routes(
     async def serve_metrics(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
         if await _refused(scope, send, "/metrics"):
             return
-        await _respond(send, 200, metrics.scrape(), CONTENT_TYPE_PLAIN_0_0_4)
+        await respond(send, 200, metrics.scrape(), CONTENT_TYPE_PLAIN_0_0_4)
 
     async def health(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
         if await _refused(scope, send, "/health"):
             return
-        await _respond(send, 200, json.dumps({"status": "ok"}).encode(), JSON)
+        await respond(send, 200, json.dumps({"status": "ok"}).encode(), JSON)
 
     async def ready(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
         if await _refused(scope, send, "/ready"):
             return
         unready = readiness()
         if unready is None:
-            await _respond(send, 200, json.dumps({"status": "ready"}).encode(), JSON)
+            await respond(send, 200, json.dumps({"status": "ready"}).encode(), JSON)
             return
         body = {"status": unready.state, "reason": unready.reason}
-        await _respond(send, 503, json.dumps(body).encode(), JSON)
+        await respond(send, 503, json.dumps(body).encode(), JSON)
 
     return (
         Route(prefix="/metrics", handler=serve_metrics, public=public_metrics),
@@ -79,35 +79,10 @@ def probe_routes(
 async def _refused(scope: Scope, send: Send, path: str) -> bool:
     """Answers what is not a GET of exactly `path` (405, 404); True when it did."""
     if scope["path"] != path:
-        await _error(send, 404, f"nothing is served at {scope['path']}", "not_found")
+        await refuse(send, 404, f"nothing is served at {scope['path']}", "not_found")
         return True
     if scope["method"] != "GET":
         message = f"{path} answers GET only"
-        await _error(send, 405, message, "method_not_allowed", [(b"allow", b"GET")])
+        await refuse(send, 405, message, "method_not_allowed", [(b"allow", b"GET")])
         return True
     return False
-
-
-async def _error(
-    send: Send, status: int, message: str, kind: str, headers: Sequence[tuple[bytes, bytes]] = ()
-) -> None:
-    """An error in the shape the rest of the front answers with."""
-    error = {"message": message, "type": kind, "param": None, "code": kind}
-    await _respond(send, status, json.dumps({"error": error}).encode(), JSON, headers)
-
-
-async def _respond(
-    send: Send,
-    status: int,
-    body: bytes,
-    content_type: str,
-    headers: Sequence[tuple[bytes, bytes]] = (),
-) -> None:
-    head = [
-        (b"content-type", content_type.encode()),
-        (b"content-length", str(len(body)).encode()),
-        (b"cache-control", b"no-store"),
-        *headers,
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
