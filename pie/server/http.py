@@ -22,7 +22,7 @@ from pie.config import HttpConfig
 from pie.events import inferlet as ev
 from pie.sandbox.host.serving import is_final_status
 from pie.server.mounts import OPENAI_PREFIX, Mounts
-from pie.server.routes import Route, find_route
+from pie.server.routes import Route, bearer_tokens, find_route
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -295,12 +295,10 @@ class HttpFront:
         """Who the request runs for, and the credential it proved (None without auth)."""
         if self.users is None:
             return self.config.user, None
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                user, _, token = value[7:].decode("latin-1").strip().partition(":")
-                credential = self.users.token_credential(user, token) if token else None
-                if credential is not None:
-                    return user, credential
+        for user, token in bearer_tokens(scope):
+            credential = self.users.token_credential(user, token) if token else None
+            if credential is not None:
+                return user, credential
         return None
 
 

@@ -4,7 +4,7 @@ dashboard): each a path prefix and an ASGI-style handler told who is calling."""
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from attrs import frozen
@@ -59,3 +59,11 @@ async def refuse(
     """A route's refusal, in the error object the rest of the front answers with."""
     error = {"message": message, "type": kind, "param": None, "code": kind}
     await respond(send, status, json.dumps({"error": error}).encode(), "application/json", headers)
+
+
+def bearer_tokens(scope: Scope) -> Iterator[tuple[str, str]]:
+    """(user, token) of each `Authorization: Bearer USER:TOKEN` header of the request."""
+    for name, value in scope["headers"]:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            user, _, token = value[7:].decode("latin-1").strip().partition(":")
+            yield user, token

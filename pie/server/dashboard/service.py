@@ -15,7 +15,7 @@ from pie.config import DashboardConfig
 from pie.eventlog import Envelope
 from pie.server.dashboard.state import Timeline, engine_state
 from pie.server.dashboard.tail import Refusal, Tail, TailFilter, TailHub, render
-from pie.server.routes import Receive, Route, Scope, Send, refuse, respond
+from pie.server.routes import Receive, Route, Scope, Send, bearer_tokens, refuse, respond
 
 if TYPE_CHECKING:
     from pie.engine import Engine
@@ -185,10 +185,8 @@ class Dashboard:
         """The token the caller proved (checked again while its tail is open)."""
         if self.users is None:
             return None
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                user, _, token = value[7:].decode("latin-1").strip().partition(":")
-                return self.users.token_credential(user, token)
+        for user, token in bearer_tokens(scope):
+            return self.users.token_credential(user, token)
         return None
 
     def _holds(self, credential: Credential) -> bool:
