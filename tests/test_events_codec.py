@@ -409,3 +409,22 @@ def test_a_validator_failure_says_why() -> None:
 def test_text_that_is_not_json_is_refused() -> None:
     with pytest.raises(codec.DecodeError, match="not JSON"):
         codec.loads("{nope")
+
+
+def test_the_lane_passes_of_a_pass_are_written_as_arrays_and_read_in_either_form() -> None:
+    applied = spec_ev.LanePassesApplied(passes=(APPLIED,))
+    written = json.loads(codec.dumps(applied))["passes"][0]
+    assert written[:7] == [
+        APPLIED.lease,
+        APPLIED.context,
+        APPLIED.corr,
+        APPLIED.token,
+        APPLIED.position,
+        APPLIED.page,
+        APPLIED.staged,
+    ]
+    as_object = json.loads(codec.dumps(APPLIED))  # alone, a lane pass stays an object
+    del as_object["type"]
+    assert codec.decode({"type": "LanePassesApplied", "passes": [as_object]}) == applied
+    with pytest.raises(codec.DecodeError, match=r"expected 8 items .* @ \$\.passes\[0\]"):
+        codec.decode({"type": "LanePassesApplied", "passes": [written[:3]]})

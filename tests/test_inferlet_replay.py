@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from pie.eventlog.inferlet_replay import read_recording
 from pie.events.inferlet import InferletOutcome
 from pie.events.recording import HostCallsRecorded
 from pie.sandbox import GuestStopped, WasmRuntime, callvalues
-from pie.sandbox.recording import CHUNK_CALLS, Chunk, Recorder, RecordingBudget
+from pie.sandbox.recording import CHUNK_CALLS, RAW_CALLS, Chunk, Recorder, RecordingBudget
 from pie.sandbox.replaying import Replayer
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
@@ -322,6 +323,53 @@ def test_host_values_survive_the_json_codec(value: Any) -> None:
     back = callvalues.decode(json.loads(text))
     assert callvalues.dumps(callvalues.encode(back)) == text
     assert type(back) is type(value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", VALUES, ids=range(len(VALUES)))
+def test_a_call_is_written_as_the_walk_of_its_values_would_write_it(value: Any) -> None:
+    walked = callvalues.dumps(["f.g", callvalues.encode_args((value, 1)), callvalues.encode(value)])
+    tupled = "tuple" in walked
+    name = next(iter(callvalues.TUPLE_CALLS)) if tupled else "f.g"
+    assert callvalues.dumps_call(name, (value, 1), value) == walked.replace("f.g", name)
+
+
+@pytest.mark.unit
+def test_the_calls_walked_for_tuples_are_those_whose_wit_types_hold_one() -> None:
+    wit = (REPO / "sdk" / "wit" / "inferlet.wit").read_text()
+    holding = {"tuple"}
+    types = dict(re.findall(r"(?:record|variant) ([\w-]+) \{(.*?)\n    \}", wit, re.S))
+    types.update(re.findall(r"type ([\w-]+) = ([^;]+);", wit))
+    while True:
+        more = {n for n, body in types.items() if _names_any(body, holding)}
+        if more <= holding:
+            break
+        holding |= more
+    calls = set()
+    for interface, body in re.findall(r"interface ([\w-]+) \{(.*?)\n\}", wit, re.S):
+        for fn, signature in re.findall(r"([\w-]+): func(\(.*?\)(?: -> [^;]+)?);", body):
+            if _names_any(signature, holding):
+                calls.add(f"{interface}.{fn}")
+    assert calls == set(callvalues.TUPLE_CALLS)
+
+
+def _names_any(text: str, names: set[str]) -> bool:
+    return any(re.search(rf"\b{name}\b", text) for name in names)
+
+
+@pytest.mark.unit
+def test_calls_are_encoded_when_the_guest_waits_and_at_most_raw_calls_later() -> None:
+    sent: list[Chunk] = []
+    recorder = Recorder(sent.append, max_bytes=1 << 20, budget=RecordingBudget(1 << 20), user="a")
+    recorder.add("model.encode", (1, "word"), Ok([5]))
+    assert recorder.calls == 1 and recorder._pending == []  # kept as made
+    recorder.encode_pending()
+    assert recorder._pending == ['["model.encode",[1,"word"],{"ok":[5]}]']
+    for n in range(RAW_CALLS):
+        recorder.add("model.encode", (1, str(n)), Ok([n]))
+    assert len(recorder._pending) == 1 + RAW_CALLS  # a guest that never waits
+    recorder.close()
+    assert len(json.loads(sent[-1].calls)) == 1 + RAW_CALLS and sent[-1].final
 
 
 @pytest.mark.unit

@@ -9,12 +9,15 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import operator
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 import cattrs
 from cattrs.cols import homogenous_tuple_structure_factory
+from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
@@ -22,6 +25,8 @@ from cattrs.v import format_exception
 from pie.events import ALL_EVENTS
 from pie.events.batching import FormerStep
 from pie.events.sampling import SlotOp, SlotOutput
+from pie.events.recording import HostCallsRecorded
+from pie.events.speculation import LanePassApplied
 
 TAG = "type"
 
@@ -95,6 +100,70 @@ converter.register_structure_hook_factory(_is_homogeneous_tuple, _array_tuple)
 _tagged(SlotOp, converter)
 _tagged(SlotOutput, converter)
 _tagged(FormerStep, converter)
+
+
+def _positional_items(cls: type, conv: cattrs.Converter) -> None:
+    """Encodes the items of a `tuple[cls, ...]` field as arrays of their fields in order
+    rather than objects: for records that come by the dozen in every pass, where the keys
+    would be most of the bytes and most of the encoding time. An item is decoded through the
+    class's object decoder, so every check (and every error path) stays as it is; objects
+    (and `cls` on its own, which stays an object) are still read."""
+    attrs.resolve_types(cls)
+    fields = attrs.fields(cls)
+    names = tuple(f.name for f in fields)
+    plain = {int, bool, str, float}
+    every = operator.attrgetter(*names)
+    by_field: Callable[[Any, Any], Any] = make_dict_structure_fn(
+        cls, conv, _cattrs_forbid_extra_keys=True
+    )
+    hooks: list[tuple[int, Callable[[Any], Any]]] = []
+
+    def item(value: Any) -> list[Any]:
+        out = list(every(value))
+        for i, hook in hooks:
+            out[i] = hook(out[i])
+        return out
+
+    def unstructure(values: tuple[Any, ...]) -> list[list[Any]]:
+        if not hooks:  # the fields' hooks, looked up once every hook is registered
+            hooks.extend(
+                (i, conv.get_unstructure_hook(f.type))
+                for i, f in enumerate(fields)
+                if f.type not in plain
+            )
+        return [item(value) for value in values]
+
+    def structure(value: Any, _: Any) -> Any:
+        if isinstance(value, dict):
+            return by_field(value, cls)
+        if not isinstance(value, list):
+            raise WrongType(f"expected an array of {', '.join(names)}, got {type(value).__name__}")
+        if len(value) != len(names):
+            raise WrongType(f"expected {len(names)} items ({', '.join(names)}), got {len(value)}")
+        return by_field(dict(zip(names, value, strict=True)), cls)
+
+    items = tuple[cls, ...]  # type: ignore[valid-type]
+    conv.register_unstructure_hook_func(lambda t: t == items, unstructure)
+    conv.register_structure_hook(cls, structure)
+
+
+_positional_items(LanePassApplied, converter)
+
+
+def _calls_as_text(conv: cattrs.Converter) -> None:
+    """The event log writes recorded calls as the JSON array they are; the event holds them as
+    text, written back exactly as the recorder wrote it (same separators, ASCII)."""
+    by_field = make_dict_structure_fn(HostCallsRecorded, conv, _cattrs_forbid_extra_keys=True)
+
+    def structure(value: Any, _: Any) -> HostCallsRecorded:
+        if isinstance(value, dict) and isinstance(value.get("calls"), list):
+            value = {**value, "calls": json.dumps(value["calls"], separators=(",", ":"))}
+        return by_field(value, HostCallsRecorded)
+
+    conv.register_structure_hook(HostCallsRecorded, structure)
+
+
+_calls_as_text(converter)
 
 _BY_NAME: dict[str, type] = {cls.__name__: cls for cls in ALL_EVENTS}
 

@@ -25,32 +25,62 @@ class Unrecordable(TypeError):
 
 
 def encode(value: Any) -> Any:
-    """`value` as JSON-ready data."""
-    if value is None or isinstance(value, bool | int | float | str):
+    """`value` as JSON-ready data (numpy scalars inside a list of numbers are left to `dumps`)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is list:
+        # A WIT list is homogeneous: one that starts with a number or a string holds only those.
+        if value and type(value[0]) in _SCALARS:
+            return value
+        return [encode(v) for v in value]
+    tagged = _TAGGED.get(kind)
+    if tagged is not None:
+        return tagged(value)
+    return _encode_other(value)
+
+
+def encode_args(args: tuple[Any, ...] | list[Any]) -> list[Any]:
+    """A host call's arguments (of mixed kinds, unlike a WIT list) as JSON-ready data."""
+    return [encode(a) for a in args]
+
+
+def _encode_record(value: Record) -> Any:
+    return {"record": {name: encode(v) for name, v in vars(value).items()}}
+
+
+def _encode_bytes(value: bytes | bytearray | memoryview) -> Any:
+    return {"bytes": base64.b64encode(bytes(value)).decode("ascii")}
+
+
+_SCALARS = frozenset({int, float, str, bool})
+_PLAIN = _SCALARS | {type(None)}
+_TAGGED: dict[type, Callable[[Any], Any]] = {
+    tuple: lambda value: {"tuple": [encode(v) for v in value]},
+    Record: _encode_record,
+    Variant: lambda value: {"variant": [value.tag, encode(value.payload)]},
+    Ok: lambda value: {"ok": encode(value.value)},
+    Err: lambda value: {"err": encode(value.value)},
+    bytes: _encode_bytes,
+    bytearray: _encode_bytes,
+    memoryview: _encode_bytes,
+}
+"""How each kind of value with a tag is encoded, found by its exact type (the common case)."""
+
+
+def _encode_other(value: Any) -> Any:
+    """Subclasses of the kinds above, and numpy values (lowered as the lists they hold)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    for kind, tagged in _TAGGED.items():
+        if isinstance(value, kind):
+            return tagged(value)
+    if isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, list):
         return [encode(v) for v in value]
-    if isinstance(value, bytes | bytearray | memoryview):
-        return {"bytes": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, np.ndarray):
-        return [encode(v) for v in value.tolist()]
-    if isinstance(value, np.generic):
-        return encode(value.item())
-    return _encode_tagged(value)
-
-
-def _encode_tagged(value: Any) -> Any:
-    match value:
-        case tuple():
-            return {"tuple": [encode(v) for v in value]}
-        case Record():
-            return {"record": {name: encode(v) for name, v in vars(value).items()}}
-        case Variant():
-            return {"variant": [value.tag, encode(value.payload)]}
-        case Ok():
-            return {"ok": encode(value.value)}
-        case Err():
-            return {"err": encode(value.value)}
     raise Unrecordable(f"a host call carried a {type(value).__name__}, which cannot be recorded")
 
 
@@ -93,7 +123,46 @@ _DECODERS: dict[str, Callable[[Any], Any]] = {
 
 def dumps(data: Any) -> str:
     """Encoded data as compact JSON text (ASCII, so its length is its size in bytes)."""
-    return json.dumps(data, separators=(",", ":"))
+    return _JSON.encode(data)
+
+
+def _late(value: Any) -> Any:
+    """What `dumps` meets that `encode` passed through: numpy scalars in a list of numbers."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise Unrecordable(f"a host call carried a {type(value).__name__}, which cannot be recorded")
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"), default=_late, check_circular=False)
+
+TUPLE_CALLS = frozenset({"media.info"})
+"""The host calls whose values hold a WIT tuple (`media-info.grid`): JSON's encoder writes a
+Python tuple as an array, so only these need the walk of `encode`, which tags tuples."""
+
+
+def dumps_call(fn: str, args: tuple[Any, ...], result: Any) -> str:
+    """One recorded call, [function, arguments, result], as `dumps` of `encode` would write
+    it. Calls without tuples take one pass of JSON's C encoder, which hands only the tagged
+    kinds to Python, one level at a time."""
+    if fn in TUPLE_CALLS:
+        return _JSON.encode([fn, encode_args(args), encode(result)])
+    return _TAGGING_JSON.encode([fn, list(args), result])
+
+
+def _tag(value: Any) -> Any:
+    kind = type(value)
+    if kind is Record:
+        return {"record": vars(value)}
+    if kind is Variant:
+        return {"variant": [value.tag, value.payload]}
+    if kind is Ok:
+        return {"ok": value.value}
+    if kind is Err:
+        return {"err": value.value}
+    return encode(value)
+
+
+_TAGGING_JSON = json.JSONEncoder(separators=(",", ":"), default=_tag, check_circular=False)
 
 
 @frozen

@@ -12,7 +12,7 @@ from typing import Any
 from attrs import field, frozen, validators
 from wasmtime.component import Component, Linker
 
-from pie.sandbox.callvalues import RecordedRaise, Unrecordable, dumps, encode
+from pie.sandbox.callvalues import RecordedRaise, Unrecordable, dumps_call
 from pie.sandbox.host import add_inferlet_api
 from pie.sandbox.runtime import WasmRuntime
 from pie.sandbox.wasi_values import add_stand_ins, replaced_imports
@@ -21,6 +21,10 @@ CHUNK_CALLS = 256
 CHUNK_BYTES = 256 << 10
 CHUNK_SECONDS = 1.0
 """A chunk goes out once it holds this many calls or bytes, or this long after the last one."""
+
+RAW_CALLS = 64
+"""Calls kept unencoded at most: a guest that makes many calls without waiting for a reply
+has them encoded as it goes."""
 
 
 def call_name(interface: str, name: str) -> str:
@@ -68,7 +72,12 @@ class RecordingBudget:
 
 
 class Recorder:
-    """One instance's recording, fed on its guest thread; `sink` gets each chunk."""
+    """One instance's recording, fed on its guest thread; `sink` gets each chunk.
+
+    A call is kept as it was made and encoded later, when the guest thread waits for a reply
+    (`encode_pending`, while the pass it asked for runs) rather than on its way back into the
+    guest, which is where a token's turnaround is; at most `RAW_CALLS` wait so.
+    """
 
     def __init__(
         self,
@@ -82,6 +91,7 @@ class Recorder:
         self._max_bytes = max_bytes
         self._budget = budget
         self._user = user
+        self._raw: list[tuple[str, tuple[Any, ...], Any]] = []
         self._pending: list[str] = []
         self._pending_bytes = 0
         self._first = 0
@@ -93,33 +103,44 @@ class Recorder:
 
     @property
     def calls(self) -> int:
-        return self._first + len(self._pending)
+        return self._first + len(self._pending) + len(self._raw)
 
     def add(self, fn: str, args: tuple[Any, ...], result: Any) -> None:
-        try:
-            text = dumps([fn, encode(list(args)), encode(result)])
-        except Unrecordable as exc:
-            self.stop(str(exc))
-            return
-        self._take(text)
+        # Host functions return values of their own and never change their arguments, so
+        # encoding them later is exact.
+        self._raw.append((fn, args, result))
+        if len(self._raw) >= RAW_CALLS:
+            self.encode_pending()
 
     def add_raise(self, fn: str, args: tuple[Any, ...], exc: BaseException) -> None:
-        try:
-            text = dumps([fn, encode(list(args)), RecordedRaise.of(exc).encode()])
-        except Unrecordable as err:
-            self.stop(str(err))
-            return
-        self._take(text)
+        self.add(fn, args, RecordedRaise.of(exc))
+
+    def encode_pending(self) -> None:
+        """Encodes the calls kept as made, in order, into the recording."""
+        raw, self._raw = self._raw, []
+        for fn, args, result in raw:
+            if self.stopped:
+                return
+            if isinstance(result, RecordedRaise):
+                result = result.encode()
+            try:
+                text = dumps_call(fn, args, result)
+            except Unrecordable as exc:
+                self.stop(str(exc))
+                return
+            self._take(text)
 
     def stop(self, reason: str) -> None:
         """Records nothing more; the chunk that says so goes out now."""
         if not self.stopped:
             self.stopped = reason
+            self._raw = []
             self._flush(final=False)
 
     def close(self) -> None:
         """The instance has ended: the last chunk goes out."""
         if not self._closed:
+            self.encode_pending()
             self._closed = True
             self._flush(final=True)
 
@@ -175,7 +196,6 @@ def _recorded(interface: str, name: str, fn: Callable[..., Any]) -> Callable[...
         except BaseException as exc:
             recorder.add_raise(call, args, exc)
             raise
-        # Host functions never change their arguments, so encoding them afterwards is exact.
         recorder.add(call, args, result)
         return result
 

@@ -11,7 +11,7 @@ from typing import Any
 from attrs import frozen
 from wasmtime.component import Component, Linker
 
-from pie.sandbox.callvalues import RecordedRaise, decode, dumps, encode
+from pie.sandbox.callvalues import RecordedRaise, decode, dumps, encode_args
 from pie.sandbox.host import add_inferlet_api
 from pie.sandbox.recording import call_name
 from pie.sandbox.runtime import (
@@ -89,7 +89,7 @@ class Replayer:
         self._last_at = time.perf_counter()
         if not self.position:
             self._first_at = self._last_at
-        seen = dumps(encode(list(args)))
+        seen = dumps(encode_args(args))
         if self.position >= len(self.calls):
             self._past_the_end(fn, seen)
         want_fn, want_args, result = self.calls[self.position]

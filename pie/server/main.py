@@ -14,6 +14,7 @@ import trio
 
 from pie.config import EngineConfig
 from pie.engine import Engine, open_engine, with_snapshots_dir
+from pie.engine.heap import settle_heap
 from pie.server.app import Server
 from pie.server.dashboard import Dashboard
 from pie.server.http import HttpFront
@@ -55,6 +56,7 @@ async def _serve(
                 front = await _start_http(engine, config, server, nursery, ports.http)
                 if front is not None and announce_http is not None:
                     announce_http(front)
+                settle_heap()
                 if announce is not None:
                     announce(server)
                 nursery.start_soon(_on_signals, signals, server, front, nursery)

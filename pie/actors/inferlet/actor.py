@@ -252,6 +252,8 @@ class InferletActor(Actor):
         bind(state)
         recorder = self._recordings.recorder(state) if self._recordings else None
         bind_recorder(recorder)
+        if recorder is not None:
+            state.before_wait = recorder.encode_pending
         started = time.monotonic()
         try:
             outcome = self._execute(state, program, instance, limits)

@@ -19,6 +19,7 @@ from pie.cli.bench.inferlets import component_from_source
 from pie.cli.bench.tax import STEP_SOURCE, _driver, _row
 from pie.config import EngineConfig, with_overrides
 from pie.engine import open_engine
+from pie.engine.heap import settle_heap
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": {"enabled": False},
@@ -54,6 +55,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
         driver = _driver(shaped, tokenizer.vocab_size)
         async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
             program = engine.programs.add(stepped).hash
+            settle_heap()  # as `pie serve` does once it is up
             row = await _row(engine, program, "step", args.concurrency, shaped)
         return float(row["tps"])
 

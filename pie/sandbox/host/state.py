@@ -67,6 +67,10 @@ class InstanceState:
         self.buffered = 0
         self.response: Any = None
         """An HTTP-served instance's response (host.serving.Response); None otherwise."""
+        self.before_wait: Callable[[], None] | None = None
+        """Work the guest thread does when it is about to wait for a reply (a recorder's
+        encoding), so that it is done while the reply is being made rather than on the way
+        back into the guest."""
         self._corr = corr
         self._cond = threading.Condition()
         self._next_handle = 1
@@ -137,6 +141,8 @@ class InstanceState:
         """Blocks until one of `handles` is done; the indices of those done."""
         if not handles:
             raise HostFailure("invalid", "poll needs at least one pollable")
+        if self.before_wait is not None and not any(self.is_ready(h) for h in handles):
+            self.before_wait()
         with self._cond:
             pending = [self._pending(h) for h in handles]
             while True:
