@@ -280,6 +280,37 @@ def critical(args: argparse.Namespace) -> None:
     trio.run(main)
 
 
+def collect(args: argparse.Namespace) -> None:
+    """What a full pass of the cyclic garbage collector costs with the engine's imports loaded,
+    then with the ring full of one pass's records per row (16 lanes each), then with the
+    start-up heap frozen as `pie serve` freezes it (pie/engine/heap.py)."""
+    import gc
+
+    import pie.engine  # noqa: F401  (the start-up heap: torch, wasmtime, the engine)
+    from pie.engine.heap import settle_heap
+    from pie.events.speculation import LanePassesApplied
+
+    def full_pass() -> float:
+        times = []
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            gc.collect()
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
+
+    gc.collect()
+    print(f"a full collection, median of {args.rounds}: {full_pass():.1f} ms with the imports")
+    log = EventLog(ring_size=args.ring)
+    for i in range(args.ring):
+        log.append("inference", "kv", LanePassesApplied(passes=tuple(_lane_events(16))), i)
+    print(f"  {full_pass():.1f} ms with the ring full ({args.ring} rows of 16 lane passes)")
+    settle_heap()
+    print(f"  {full_pass():.1f} ms with all of that frozen (settle_heap)")
+    for i in range(args.ring // 4):
+        log.append("inference", "kv", LanePassesApplied(passes=tuple(_lane_events(16))), i)
+    print(f"  {full_pass():.1f} ms after a quarter of the ring was made again")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pass-ms", type=float, default=5.0)
@@ -291,7 +322,12 @@ def main() -> int:
     parser.add_argument("--micro", action="store_true", help="time appends alone, no engine")
     parser.add_argument("--critical", action="store_true", help="a pass loop alone, no engine")
     parser.add_argument("--records", type=int, nargs="+", default=[64, 160])
+    parser.add_argument("--collect", action="store_true", help="garbage collector pauses")
+    parser.add_argument("--ring", type=int, default=100_000, help="rows, for --collect")
     args = parser.parse_args()
+    if args.collect:
+        collect(args)
+        return 0
     if args.micro:
         micro(args)
         return 0

@@ -114,9 +114,9 @@ def _bench_log_parser(suites: Commands) -> None:
     )
     log.add_argument("--json", action="store_true", help="print one JSON object")
     log.add_argument("--pass-ms", type=float, default=5.0, help="fixed forward pass time")
-    log.add_argument("--tokens", type=int, default=256, help="tokens each generation makes")
+    log.add_argument("--tokens", type=int, default=1024, help="tokens each generation makes")
     log.add_argument("--concurrency", type=int, default=16, help="inferlets decoding at once")
-    log.add_argument("--repeats", type=int, default=3)
+    log.add_argument("--repeats", type=int, default=5)
     log.add_argument(
         "--settings",
         nargs="+",

@@ -24,8 +24,8 @@ from cattrs.v import format_exception
 
 from pie.events import ALL_EVENTS
 from pie.events.batching import FormerStep
-from pie.events.sampling import SlotOp, SlotOutput
 from pie.events.recording import HostCallsRecorded
+from pie.events.sampling import SlotOp, SlotOutput
 from pie.events.speculation import LanePassApplied
 
 TAG = "type"
