@@ -269,7 +269,7 @@ def test_the_ring_keeps_a_prefix_of_a_long_payload_and_the_file_keeps_it_whole(
     kept = [e.event for e in log.records()]
     assert kept[0].message == "xxxxxxxx... [10000 in all; the ring keeps 8]"
     assert (kept[0].queue, kept[0].user) == ("q", "u")
-    assert kept[1] is short
+    assert kept[1] == short
     assert kept[2].body == b"yyyyyyyy... [100 in all; the ring keeps 8]"
     assert kept[2].headers == fetched.headers
     assert [e.event for e in read_log(path)] == [whole, short, fetched]
@@ -280,7 +280,7 @@ def test_a_ring_payload_of_zero_keeps_events_whole() -> None:
     log = EventLog(ring_payload=0)
     event = bus.Publish(corr=1, requester="a", topic="t", message="m" * 10_000)
     log.append("a", "bus", event)
-    assert log.records()[0].event is event
+    assert log.records()[0].event == event
 
 
 @pytest.mark.unit

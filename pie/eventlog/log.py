@@ -14,6 +14,7 @@ from typing import IO, Any
 from attrs import frozen
 
 from pie.eventlog.clip import clip
+from pie.eventlog.packed import pack, unpack
 from pie.eventlog.records import Envelope, Gap, Row
 from pie.eventlog.writer import FileWriter, WriterStatistics
 
@@ -37,6 +38,9 @@ class EventLogStatistics:
 
 class EventLog:
     """Keeps the last `ring_size` envelopes in memory and, with a path, every one on disk.
+
+    The ring keeps each event packed as nested tuples (pie/eventlog/packed.py), which the
+    garbage collector stops walking; reading it unpacks them.
 
     `append` is called from one thread (the Trio thread) and only numbers the envelope, keeps
     it and hands it to the file writer; the writer thread encodes and writes in seq order,
@@ -77,11 +81,11 @@ class EventLog:
         now = time.time()
         row = (self._seq, now, src, dst, cause, event)
         kept = clip(event, self.ring_payload) if self.ring_payload else event
-        self._ring.append(row if kept is event else (self._seq, now, src, dst, cause, kept))
+        self._ring.append((self._seq, now, src, dst, cause, pack(kept)))
         if self._writer is not None:
             self._writer.submit(row)
         if self._listeners:
-            self._tell(self._ring[-1])
+            self._tell(row if kept is event else (self._seq, now, src, dst, cause, kept))
         return self._seq
 
     @property
@@ -112,7 +116,7 @@ class EventLog:
 
     def records(self) -> list[Envelope]:
         """The envelopes in the ring, oldest first."""
-        return [Envelope.from_row(row) for row in self._ring]
+        return [Envelope.from_row(_unpacked(row)) for row in self._ring]
 
     def rows_after(self, seq: int) -> list[Row]:
         """The rows the ring holds that were appended after `seq`, oldest first (the ring is
@@ -121,7 +125,7 @@ class EventLog:
         for row in reversed(self._ring):
             if row[0] <= seq:
                 break
-            rows.append(row)
+            rows.append(_unpacked(row))
         rows.reverse()
         return rows
 
@@ -147,6 +151,11 @@ class EventLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _unpacked(row: Row) -> Row:
+    seq, time, src, dst, cause, packed = row
+    return (seq, time, src, dst, cause, unpack(packed))
 
 
 def read_entries(path: str | Path) -> Iterator[Envelope | Gap]:
