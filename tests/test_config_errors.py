@@ -18,7 +18,7 @@ KV_KEYS = (
 )
 TABLES = (
     "known tables: model, driver, kv, scheduler, event_log, bus, sandbox, network, mcp, "
-    "server, http, grammar, media, dashboard, tracing, metrics, models"
+    "server, http, grammar, media, dashboard, tracing, metrics, cluster, models"
 )
 BAD_FILES = {
     "unknown key": (

@@ -56,10 +56,12 @@ ALLOWED = {
         "pie.observe",
         "pie.sandbox",
     },
+    "pie.cluster": {"pie.config"},
     "pie.server": {
         "pie",
         "pie.actors",
         "pie.build",
+        "pie.cluster",
         "pie.config",
         "pie.dataplane",
         "pie.durable",
@@ -85,6 +87,7 @@ THIRD_PARTY_BANNED = {
     "pie.sandbox": {"torch", "trio"},
     "pie.grammar": {"torch", "trio", "wasmtime"},
     "pie.build": {"torch", "trio", "wasmtime"},
+    "pie.cluster": {"torch", "wasmtime"},
 }
 
 

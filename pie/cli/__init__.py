@@ -1,6 +1,7 @@
 """`pie`: serve | generate | build | run | submit | list | attach | stop | status | watch |
-publish | push | auth | log | replay | bench | doctor. Results go to stdout; progress and logs
-to stderr. The only entry point into this package is `main`; nothing else in pie imports it."""
+publish | push | auth | log | replay | bench | doctor | cluster. Results go to stdout; progress
+and logs to stderr. The only entry point into this package is `main`; nothing else in pie
+imports it."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ RUNNERS = {
     "bench log": "pie.cli.bench.eventlog:run_bench_log",
     "bench metrics": "pie.cli.bench.metrics:run_bench_metrics",
     "doctor": "pie.cli.doctor:run_doctor",
+    "cluster status": "pie.cli.cluster:run_cluster_status",
 }
 """Each command's function, imported only when that command runs."""
 
@@ -69,7 +71,8 @@ def _report(err: BaseException, args: argparse.Namespace) -> int:
 
 
 def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
-    suite = getattr(args, "suite", None) if args.command == "bench" else None
-    module, _, name = RUNNERS[f"bench {suite}" if suite else args.command].partition(":")
+    action = {"bench": "suite", "cluster": "cluster_command"}.get(args.command, "")
+    sub = getattr(args, action, None) if action else None
+    module, _, name = RUNNERS[f"{args.command} {sub}" if sub else args.command].partition(":")
     runner: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
     return runner

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 DEFAULT_SERVER_URL = "ws://127.0.0.1:8080"
 """Where `pie serve` listens by default ([server] host and port)."""
+DEFAULT_CLUSTER_URL = "redis://127.0.0.1:6379"
+"""Where `pie cluster` looks for the cluster's Redis unless --cluster or $PIE_CLUSTER says."""
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="load the PEFT LoRA adapter folder PATH as NAME; repeatable",
+    )
+
+
+def add_cluster_url_option(parser: argparse.ArgumentParser) -> None:
+    cluster = os.environ.get("PIE_CLUSTER", DEFAULT_CLUSTER_URL)
+    parser.add_argument(
+        "--cluster", default=cluster, metavar="URL", help=f"the Redis (default: {cluster})"
     )
 
 

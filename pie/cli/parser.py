@@ -8,7 +8,7 @@ from typing import Any
 
 from pie import __version__
 from pie.cli.bench_parsers import add_bench_parsers
-from pie.cli.options import add_connection_options, add_engine_options
+from pie.cli.options import add_cluster_url_option, add_connection_options, add_engine_options
 
 Commands = Any
 """The object `add_subparsers` returns (argparse gives it no public type)."""
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_parsers(commands)
     add_bench_parsers(commands)
     add_doctor_parser(commands)
+    add_cluster_parser(commands)
     return parser
 
 
@@ -64,7 +65,21 @@ def add_serve_parser(commands: Commands) -> None:
         help="serve /metrics, /health and /ready on PORT, without --http (with it, they are "
         "served there)",
     )
+    serve.add_argument(
+        "--cluster",
+        metavar="URL",
+        help="join the cluster whose nodes share the Redis at URL (redis://HOST:PORT[/DB])",
+    )
     add_engine_options(serve)
+
+
+def add_cluster_parser(commands: Commands) -> None:
+    """`cluster status`: the nodes joined through one Redis."""
+    cluster = commands.add_parser("cluster", help="the nodes that share one Redis")
+    actions = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    status = actions.add_parser("status", help="the nodes with their URLs, models and load")
+    add_cluster_url_option(status)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def add_engine_parsers(commands: Commands) -> None:

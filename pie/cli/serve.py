@@ -27,6 +27,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server={"host": args.host, "port": args.port, "auth": args.auth},
         http={"port": args.http, "mounts": mounts, "openai": args.openai or None},
         metrics={"port": args.metrics_port},
+        cluster={"redis": args.cluster},
     )
     if config.http.port < 0 and (config.http.mounts or config.http.openai):
         raise ValueError("--mount and --openai serve over HTTP: give --http PORT too")

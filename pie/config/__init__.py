@@ -1,6 +1,6 @@
 """Engine configuration: a TOML file with sections [model] (or [[models]]), [driver], [kv],
 [scheduler], [event_log], [bus], [sandbox], [network], [mcp], [server], [http], [grammar],
-[media], [dashboard], [tracing], [metrics].
+[media], [dashboard], [tracing], [metrics], [cluster].
 
 Every key has a default, so no file is needed for the default model. Unknown keys are errors.
 """
@@ -16,6 +16,7 @@ import attrs
 import cattrs
 from attrs import frozen
 
+from pie.config.cluster_section import ClusterConfig
 from pie.config.dashboard_section import DashboardConfig
 from pie.config.engine_sections import (
     DEFAULT_MODEL,
@@ -65,6 +66,7 @@ class EngineConfig:
     dashboard: DashboardConfig = DashboardConfig()
     tracing: TracingConfig = TracingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    cluster: ClusterConfig = ClusterConfig()
     models: tuple[ModelConfig, ...] = ()
     """[[models]]: several models served side by side, the first the default (which `model`
     then is too); empty: [model] alone."""
@@ -204,6 +206,7 @@ def with_overrides(config: EngineConfig, **sections: dict[str, Any]) -> EngineCo
 __all__ = [
     "DEFAULT_MODEL",
     "BusConfig",
+    "ClusterConfig",
     "ConfigError",
     "DashboardConfig",
     "DriverConfig",

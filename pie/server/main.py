@@ -1,6 +1,7 @@
 """The serving process: its ports bound first, then the engine on the configured model behind
 the WebSocket server (and the HTTP front, or a front for the metrics alone, when configured),
-until SIGINT or SIGTERM (the first stops gracefully, a second at once)."""
+joined to a cluster when [cluster] redis is set, until SIGINT or SIGTERM (the first stops
+gracefully, a second at once)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ async def serve(
     if ports is None:
         ports = bind_ports(config)
     try:
+        if config.cluster.redis:
+            # Before the model loads, as a taken port is: a wrong URL ends the start at once.
+            from pie.cluster.store import check_reachable
+
+            await check_reachable(config.cluster.redis, config.cluster.connect_timeout_seconds)
         await _serve(config, ports, announce, announce_http)
     finally:
         ports.close()
@@ -56,6 +62,10 @@ async def _serve(
                 front = await _start_http(engine, config, server, nursery, ports.http)
                 if front is not None and announce_http is not None:
                     announce_http(front)
+                if config.cluster.redis:
+                    from pie.server.joining import join_cluster
+
+                    await nursery.start(join_cluster, config.cluster, server, front)
                 settle_heap()
                 if announce is not None:
                     announce(server)

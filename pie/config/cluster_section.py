@@ -1,0 +1,84 @@
+"""The [cluster] section: joining other nodes through Redis (docs/scale-out.md). Empty `redis`
+(the default) is one node on its own, with no Redis needed."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+from attrs import field, frozen
+
+from pie.config.checks import at_least, positive
+
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+REDIS_SCHEMES = ("redis", "rediss")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why `url` is not a Redis URL pie can use, or None when it is."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (reading it checks the port is a number in range)
+    except ValueError as exc:
+        return f"cluster.redis is not a valid URL ({exc}): {url!r}"
+    if parts.scheme not in REDIS_SCHEMES or not parts.hostname:
+        return f"cluster.redis must be redis://HOST:PORT[/DB] (or rediss://), got {url!r}"
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        return f"cluster.redis names database {database!r}: a database is a number, e.g. /0"
+    return None
+
+
+def _redis(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    problem = redis_url_problem(value) if value else None
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _advertised(*schemes: str) -> Any:
+    def check(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+        parts = urlsplit(value)
+        if value and (parts.scheme not in schemes or not parts.hostname):
+            wanted = " or ".join(f"{s}://" for s in schemes)
+            raise ValueError(f"cluster.{attribute.name} must be a {wanted} URL, got {value!r}")
+
+    return check
+
+
+def _node_id(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value and not NODE_ID.fullmatch(value):
+        raise ValueError(
+            f"cluster.node_id must be 1-64 letters, digits, '-', '_' and '.', got {value!r}"
+        )
+
+
+@frozen(kw_only=True)
+class ClusterConfig:
+    redis: str = field(default="", validator=_redis)
+    """The Redis every node of the cluster shares, redis://HOST:PORT[/DB]; empty: no cluster."""
+    advertise_ws: str = field(default="", validator=_advertised("ws", "wss"))
+    """The WebSocket URL other nodes and clients should use; empty: the bound host and port."""
+    advertise_http: str = field(default="", validator=_advertised("http", "https"))
+    """The HTTP URL other nodes and routers should use; empty: the HTTP front's bound host and
+    port (none without one)."""
+    node_id: str = field(default="", validator=_node_id)
+    """This node's name in the cluster; empty: a new random one each start."""
+    ttl_seconds: float = field(default=5.0, validator=positive)
+    """A node's record expires this long after its last renewal: a node that stops renewing
+    drops out of the cluster within it."""
+    renew_seconds: float = field(default=1.0, validator=positive)
+    """How often a node rewrites its record (with its current load)."""
+    connect_timeout_seconds: float = field(default=3.0, validator=positive)
+    """The longest connecting to Redis, or one command, may take."""
+    max_nodes: int = field(default=256, validator=at_least(1))
+    """Nodes a cluster may hold: one more is refused when it joins, and `pie cluster status`
+    reads no more than this many."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.renew_seconds >= self.ttl_seconds:
+            raise ValueError(
+                f"cluster.renew_seconds ({self.renew_seconds:g}) must be less than "
+                f"cluster.ttl_seconds ({self.ttl_seconds:g}), or records expire between renewals"
+            )
