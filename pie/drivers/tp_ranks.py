@@ -188,6 +188,9 @@ def start_ranks(
 
 
 def _join(choice: DriverChoice, store: dist.Store, rank: int, ranks: int) -> None:
+    if choice.device.startswith("cuda"):
+        # NCCL collectives (and broadcast_object_list's buffers) use the current device.
+        torch.cuda.set_device(choice.device)
     dist.init_process_group(
         _backend(choice),
         store=store,
