@@ -1,7 +1,8 @@
 """Tensor parallelism on the default model (SmolLM2-135M, 9 query / 3 KV heads): two gloo ranks
 give one rank's greedy tokens and, within 1e-3, its logits (measured: at most 3.1e-5 on logits
-up to 38), through the driver and through the whole engine; no rank outlives rank 0, stopped or
-killed; a rank that cannot start is named; and the settings that cannot shard are refused."""
+up to 38), through the driver and through the whole engine; the ranks listen on loopback only;
+no rank outlives rank 0, stopped or killed; a rank that cannot start is named; and the settings
+that cannot shard are refused."""
 
 from __future__ import annotations
 
@@ -89,6 +90,24 @@ def _gone(pid: int, within: float) -> bool:
     return False
 
 
+def _listening_addresses(pids: list[int]) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the sockets that `pids`
+    listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
 @pytest.fixture(scope="module")
 def one_rank() -> tuple[list[int], list[int], torch.Tensor]:
     """The prompt, and one rank's greedy tokens and logits on the default model."""
@@ -104,6 +123,8 @@ def test_two_gloo_ranks_give_one_ranks_greedy_tokens_and_logits(one_rank: Any) -
     rank_pids = [p.pid for p in driver.group.processes]
     try:
         assert driver.info.num_pages == 8
+        # Only loopback: 127.0.0.1 in /proc/net/tcp's byte order.
+        assert _listening_addresses([os.getpid(), *rank_pids]) <= {"0100007F"}
         sharded_tokens, sharded_logits = _greedy(driver, prompt)
     finally:
         driver.close()
@@ -121,13 +142,16 @@ def test_the_engine_on_two_ranks_generates_one_ranks_tokens(one_rank: Any) -> No
             async with open_engine(_config(2)) as engine:
                 driver = engine.models[0].driver
                 pids.extend(p.pid for p in driver.group.processes)
+                folder.append(driver.group.folder)
                 async with engine.requester() as requester:
                     done = await generate(requester, prompt, max_tokens=TOKENS, sampler=Argmax())
         return list(done.tokens)
 
     pids: list[int] = []
+    folder: list[str] = []
     assert trio.run(main) == tokens
     assert pids and all(_gone(pid, 1.0) for pid in pids)
+    assert not Path(folder[0]).exists()
 
 
 RANK_0 = """
@@ -137,7 +161,7 @@ from pie.drivers.factory import build_driver
 config = config_from_dict({"model": {"dtype": "float32", "device": "cpu", "path": sys.argv[1],
                                      "tensor_parallel": 2}, "kv": {"num_pages": 8}})
 driver, _ = build_driver(config)
-print(*(p.pid for p in driver.group.processes), flush=True)
+print(driver.group.folder, *(p.pid for p in driver.group.processes), flush=True)
 time.sleep(120)
 """
 
@@ -159,12 +183,14 @@ def test_ranks_exit_when_rank_0_is_killed(tiny_llama: Path) -> None:
     )
     try:
         assert rank_0.stdout is not None
-        pids = [int(p) for p in rank_0.stdout.readline().split()]
-        assert len(pids) == 1 and not _gone(pids[0], 0.2)
+        folder, *pids = rank_0.stdout.readline().split()
+        assert len(pids) == 1 and not _gone(int(pids[0]), 0.2)
+        assert Path(folder).is_dir()
     finally:
         rank_0.send_signal(signal.SIGKILL)
         rank_0.wait()
-    assert _gone(pids[0], 5.0)
+    assert _gone(int(pids[0]), 5.0)
+    assert not Path(folder).exists()
 
 
 def fails_on_rank_1(config: Any, choice: DriverChoice, rank: int = 0) -> Any:

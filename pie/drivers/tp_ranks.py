@@ -5,13 +5,15 @@ rank runs its shard of the pass; rank 0 alone samples. Ranks exit when rank 0 st
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
+import pickle
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import attrs
@@ -26,7 +28,8 @@ from pie.drivers.tokenizer import Tokenizer
 from pie.drivers.torch_driver import TorchDriver, validate_batch
 from pie.events.sampling import SlotOutput
 
-HOST = "127.0.0.1"
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+"""The ranks' own connections stay on loopback unless the environment names an interface."""
 START_SECONDS = 120.0
 """How long rank 0 waits for the other ranks to load their shards."""
 STOP_SECONDS = 10.0
@@ -62,10 +65,14 @@ def _backend(choice: DriverChoice) -> str:
 
 
 class RankGroup:
-    """The processes of ranks 1..N-1 and the store they meet at, seen from rank 0."""
+    """The processes of ranks 1..N-1 and the store they meet at, seen from rank 0: a file in
+    a private folder (no listening socket), which `stop` removes."""
 
-    def __init__(self, store: dist.TCPStore, processes: Sequence[BaseProcess]) -> None:
-        self.store = store
+    def __init__(
+        self, folder: str, ranks: int, processes: Sequence[subprocess.Popen[bytes]]
+    ) -> None:
+        self.folder = folder
+        self.store = _store(folder, ranks)
         self.processes = processes
 
     def wait_for(self, stage: str, deadline: float) -> None:
@@ -74,9 +81,9 @@ class RankGroup:
         for rank, process in enumerate(self.processes, start=1):
             key = f"{stage}/{rank}"
             while not self.store.check([key]):
-                if not process.is_alive():
+                if process.poll() is not None:
                     raise RankStartError(
-                        f"tensor-parallel rank {rank} exited with code {process.exitcode} "
+                        f"tensor-parallel rank {rank} exited with code {process.returncode} "
                         f"before it was {stage} (its error is above)"
                     )
                 if time.monotonic() > deadline:
@@ -92,11 +99,12 @@ class RankGroup:
         """Waits for the ranks to leave, killing any still there after STOP_SECONDS."""
         deadline = time.monotonic() + STOP_SECONDS
         for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
-            if process.is_alive():
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join()
+                process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class TensorParallelDriver:
@@ -150,36 +158,19 @@ def start_ranks(
     driver, tokenizer = build_rank(config, choice, 0)
     # Every rank must hold the same pages: the others take rank 0's count, not their own guess.
     fixed = attrs.evolve(config, kv=attrs.evolve(config.kv, num_pages=driver.info.num_pages))
-    store = dist.TCPStore(
-        HOST,
-        0,
-        ranks,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=START_SECONDS),
-    )
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(
-            target=_rank_main,
-            args=(fixed, choice, rank, store.port, os.getpid(), build_rank),
-            name=f"pie-tp-rank-{rank}",
-            daemon=True,
-        )
-        for rank in range(1, ranks)
-    ]
-    group = RankGroup(store, processes)
+    processes: list[subprocess.Popen[bytes]] = []
+    group = RankGroup(tempfile.mkdtemp(prefix="pie-tp-"), ranks, processes)
     deadline = time.monotonic() + START_SECONDS
     try:
-        for process in processes:
-            process.start()
+        for rank in range(1, ranks):
+            args = (fixed, choice, rank, group.folder, os.getpid(), build_rank)
+            processes.append(_spawn(args))
         group.wait_for("joining", deadline)
-        _join(choice, store, 0, ranks)
+        _join(choice, group.store, 0, ranks)
         group.wait_for("ready", deadline)
     except BaseException:
         for process in processes:
-            if process.is_alive():
-                process.kill()
+            process.kill()
         group.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -187,7 +178,15 @@ def start_ranks(
     return TensorParallelDriver(driver, group), tokenizer
 
 
+def _store(folder: str, ranks: int) -> dist.Store:
+    store = dist.FileStore(os.path.join(folder, "store"), ranks)
+    store.set_timeout(datetime.timedelta(seconds=START_SECONDS))
+    return store
+
+
 def _join(choice: DriverChoice, store: dist.Store, rank: int, ranks: int) -> None:
+    for name, value in LOOPBACK.items():
+        os.environ.setdefault(name, value)
     if choice.device.startswith("cuda"):
         # NCCL collectives (and broadcast_object_list's buffers) use the current device.
         torch.cuda.set_device(choice.device)
@@ -200,20 +199,39 @@ def _join(choice: DriverChoice, store: dist.Store, rank: int, ranks: int) -> Non
     )
 
 
+def _spawn(args: tuple[Any, ...]) -> subprocess.Popen[bytes]:
+    """A fresh interpreter running `rank_entry` on `args`. Not multiprocessing's spawn, which
+    imports the parent's __main__ again: a script that opens an engine at its top level
+    would then start the engine in every rank."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from pie.drivers.tp_ranks import rank_entry; rank_entry()"],
+        stdin=subprocess.PIPE,
+    )
+    assert process.stdin is not None
+    # The parent's import path first, so that `args` unpickles wherever its functions live.
+    process.stdin.write(pickle.dumps(sys.path) + pickle.dumps(args))
+    process.stdin.close()
+    return process
+
+
+def rank_entry() -> None:
+    """The rank process's start: reads the import path and its arguments from stdin."""
+    sys.path[:] = pickle.load(sys.stdin.buffer)
+    _rank_main(*pickle.load(sys.stdin.buffer))
+
+
 def _rank_main(
     config: EngineConfig,
     choice: DriverChoice,
     rank: int,
-    port: int,
+    folder: str,
     parent: int,
     build_rank: BuildRank,
 ) -> None:
     """A rank process: join, load the shard, then run every pass rank 0 broadcasts."""
-    _exit_with_parent(parent)
+    _exit_with_parent(parent, folder)
     ranks = config.model.tensor_parallel
-    store = dist.TCPStore(
-        HOST, port, ranks, is_master=False, timeout=datetime.timedelta(seconds=START_SECONDS)
-    )
+    store = _store(folder, ranks)
     store.set(f"joining/{rank}", "")
     choice = rank_choice(choice, rank, ranks)
     _join(choice, store, rank, ranks)
@@ -223,7 +241,12 @@ def _rank_main(
         store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     store.set(f"ready/{rank}", "")
-    _serve(driver, rank)
+    try:
+        _serve(driver, rank)
+    finally:
+        # The store is needed only to join; once rank 0 is gone (stopped, or its connections
+        # broken by its death) no one else is left to remove it.
+        shutil.rmtree(folder, ignore_errors=True)
     dist.destroy_process_group()
 
 
@@ -242,13 +265,15 @@ def _serve(driver: TorchDriver, rank: int) -> None:
             print(f"pie: tensor-parallel rank {rank}: {exc}", file=sys.stderr)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, folder: str) -> None:
     """Ends this process as soon as rank 0's process is gone, however it ended (a SIGKILL
-    gives it no chance to say stop), so that no rank outlives the engine."""
+    gives it no chance to say stop), so that no rank outlives the engine; the store's folder,
+    which rank 0 could not remove then, goes with it."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_SECONDS)
+        shutil.rmtree(folder, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="pie-tp-parent-watch", daemon=True).start()
