@@ -40,6 +40,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "VNNI, as llama.cpp does)",
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="run the model on N tensor-parallel ranks (processes on torch.distributed)",
+    )
+    parser.add_argument(
         "--adapter",
         action="append",
         default=[],
@@ -65,7 +71,7 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The config file named by --config (or the defaults) with --model, --dtype, --device,
-    --weights, --activations and --adapter."""
+    --weights, --activations, --tensor-parallel and --adapter."""
     from pie.config import load_config, with_overrides
 
     config = load_config(args.config)
@@ -81,6 +87,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "device": args.device,
         "weights": getattr(args, "weights", None),
         "activations": getattr(args, "activations", None),
+        "tensor_parallel": getattr(args, "tensor_parallel", None),
     }
     config = with_overrides(config, model={**shared, "adapters": adapters or None})
     if not config.models:

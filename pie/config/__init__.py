@@ -76,6 +76,14 @@ class EngineConfig:
         twice = sorted({n for n in named if named.count(n) > 1})
         if twice:
             raise ValueError(f"[[models]] names must differ: {twice} given more than once")
+        parallel = [m.tensor_parallel for m in self.model_entries if m.tensor_parallel > 1]
+        if parallel and self.driver.backend == "cuda":
+            raise ValueError(
+                f"model.tensor_parallel = {parallel[0]} runs on the torch driver, "
+                "not [driver] backend = cuda"
+            )
+        if parallel and len(self.model_entries) > 1:
+            raise ValueError("model.tensor_parallel applies to a single served model")
         shares = sum(m.kv_share for m in self.models)
         if shares > 1.0 + 1e-9:
             raise ValueError(f"[[models]] kv_share values add up to {shares:g}, over 1")

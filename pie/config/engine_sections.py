@@ -80,6 +80,24 @@ class ModelConfig:
     adapter_rank_budget: int = field(default=512, validator=at_least(0))
     """The loaded adapters' ranks (r) added up may be at most this (their memory and the work
     they add to a pass grow with it)."""
+    tensor_parallel: int = field(default=1, validator=at_least(1))
+    """Ranks that one replica of the model runs on (torch.distributed: gloo on the CPU, NCCL
+    with one GPU per rank): rank 0 is this process, pie starts the others. Each keeps whole
+    KV-head groups (at most one rank per KV head) and a part of the MLP columns. Above 1: the
+    torch driver, float weights (weights auto or dtype) and no adapters."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.tensor_parallel == 1:
+            return
+        if self.weights in ("int8", "int4"):
+            raise ValueError(
+                f"model.tensor_parallel = {self.tensor_parallel} shards float weights: "
+                f"weights = {self.weights!r} runs on one rank"
+            )
+        if self.adapters:
+            raise ValueError(
+                f"model.tensor_parallel = {self.tensor_parallel}: LoRA adapters run on one rank"
+            )
 
 
 @frozen(kw_only=True)

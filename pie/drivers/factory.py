@@ -66,22 +66,43 @@ def model_configs(config: EngineConfig) -> list[EngineConfig]:
 
 
 def build_torch_driver(config: EngineConfig) -> tuple[TorchDriver, Tokenizer]:
-    """The torch driver on the configured device, whatever else could run."""
+    """The torch driver on the configured device, whatever else could run (one rank: the
+    benchmarks that time a driver's own passes)."""
+    if config.model.tensor_parallel > 1:
+        raise ValueError("this command runs the model on one rank: leave out --tensor-parallel")
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
-    return _build(config, DriverChoice(driver="torch", device=device, dtype=dtype, reason=""))
+    return build_rank(config, DriverChoice(driver="torch", device=device, dtype=dtype, reason=""))
 
 
-def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tokenizer]:
+def _build(config: EngineConfig, choice: DriverChoice) -> tuple[Driver, Tokenizer]:
+    if config.model.tensor_parallel > 1:
+        from pie.drivers.tp_ranks import start_ranks
+
+        return start_ranks(config, choice, build_rank)
+    return build_rank(config, choice)
+
+
+def build_rank(
+    config: EngineConfig, choice: DriverChoice, rank: int = 0
+) -> tuple[TorchDriver, Tokenizer]:
+    """The driver of one process: the whole model, or with `[model] tensor_parallel` above 1
+    the shard of tensor-parallel rank `rank` (whose layers reduce over torch.distributed)."""
     if config.kv.dtype != "auto" and choice.driver != "torch":
         raise ValueError(f"[kv] dtype = {config.kv.dtype!r} runs on the torch driver only")
     threads = set_threads(config.driver)
     loaded = open_model(config.model.path, choice.dtype, choice.device)
-    weights = _weights(loaded, config.model.weights, choice)
+    weights = _weights(loaded, config.model.weights, choice, config.model.tensor_parallel)
+    if config.model.tensor_parallel > 1 and weights != "dtype":
+        raise ValueError(
+            f"[model] weights = {config.model.weights!r} with tensor_parallel: shards hold "
+            "float weights only; set weights = 'dtype'"
+        )
     # int4 takes the layers a GGUF file holds as blocks from the file, so the float checkpoint
     # never fills them and their float32 form never becomes resident.
     from_file = _file_weights(loaded) if weights == "int4" else None
     fill_weights(loaded, skip=from_file.skip(loaded.model) if from_file is not None else ())
+    model_config = _shard(loaded, config.model.tensor_parallel, rank)
     # Before quantizing, which then converts the base layer inside each wrapped one.
     adapters = _adapters(loaded.model, config)
     said = _quantize(loaded, weights, from_file, config.model.activations)
@@ -102,7 +123,7 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
         _announce(common["model_name"], choice, how, num_pages, kv.page_size)
         driver = TorchDriver(
             loaded.model,
-            loaded.config,
+            model_config,
             kv_dtype=_kv_dtype(config),
             media=_media_store(loaded, config, common["model_name"]),
             **common,
@@ -127,6 +148,18 @@ def _build(config: EngineConfig, choice: DriverChoice) -> tuple[TorchDriver, Tok
     return driver, loaded.tokenizer
 
 
+def _shard(loaded: Any, ranks: int, rank: int) -> ModelConfig:
+    """The config the driver sizes its cache by: the model's, or the rank's shard of it after
+    cutting the model's layers down to that shard."""
+    if ranks == 1:
+        config: ModelConfig = loaded.config
+        return config
+    from pie.drivers.tensor_parallel import rank_share, shard_model
+    from pie.drivers.tp_ranks import all_reduce
+
+    return shard_model(loaded.model, rank_share(loaded.config, rank, ranks), all_reduce)
+
+
 def _media_store(loaded: Any, config: EngineConfig, name: str) -> MediaStore | None:
     """The store of a model with media towers (None for a text model)."""
     if not isinstance(loaded.model, MediaTowers) or not loaded.model.modalities:
@@ -140,10 +173,11 @@ def _media_store(loaded: Any, config: EngineConfig, name: str) -> MediaStore | N
     )
 
 
-def _weights(loaded: Any, weights: str, choice: DriverChoice) -> str:
+def _weights(loaded: Any, weights: str, choice: DriverChoice, ranks: int = 1) -> str:
     """`[model] weights` with "auto" decided: "int4", "int8", or "dtype" (the model's)."""
     if weights == "auto":
-        weights = _auto_weights(loaded, choice)
+        # int4 blocks cannot be cut by heads: tensor-parallel shards keep the model's dtype.
+        weights = "auto" if ranks > 1 else _auto_weights(loaded, choice)
     if weights in ("auto", "dtype"):
         return "dtype"
     if choice.device != "cpu":

@@ -319,24 +319,37 @@ async def open_engine(
     config = config or EngineConfig()
     if served:
         served = list(served)
-    elif driver is None:
+    elif driver is not None:
+        served = [(driver, tokenizer)]
+    built = not served and driver is None
+    if built:
         from pie.drivers.threads import set_wait_policy
 
         set_wait_policy(config.driver)  # before the factory's imports load torch
         from pie.drivers.factory import build_drivers
 
         served = await trio.to_thread.run_sync(build_drivers, config)
-    else:
-        served = [(driver, tokenizer)]
-    async with trio.open_nursery() as nursery:
-        engine = Engine(config, served, nursery)
-        await engine._start()
-        try:
-            yield engine
-        finally:
-            await engine._drain(drain_seconds)
-            engine._close()
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            engine = Engine(config, served, nursery)
+            await engine._start()
+            try:
+                yield engine
+            finally:
+                await engine._drain(drain_seconds)
+                engine._close()
+                nursery.cancel_scope.cancel()
+    finally:
+        if built:
+            _close_drivers(served)
+
+
+def _close_drivers(served: Sequence[tuple[Driver, Any]]) -> None:
+    """Stops what the engine's own drivers hold outside this process (tensor-parallel ranks)."""
+    for driver, _ in served:
+        close = getattr(driver, "close", None)
+        if close is not None:
+            close()
 
 
 def with_snapshots_dir(config: EngineConfig) -> EngineConfig:
