@@ -58,8 +58,9 @@ def _packer_of(cls: type) -> Packer:
     _CLASSES.append(cls)
     names = tuple(f.name for f in fields)
     every = _getter(names)
-    nested = [(i, _value_packer(f.type)) for i, f in enumerate(fields)]
-    hooks = [(i, hook) for i, hook in nested if hook is not None]
+    codecs = [(i, _field_codec(f.type)) for i, f in enumerate(fields)]
+    hooks = [(i, codec[0]) for i, codec in codecs if codec is not None]
+    unhooks = [(i + 1, codec[1]) for i, codec in codecs if codec is not None]
 
     def packer(value: Any) -> tuple[Any, ...]:
         if not hooks:
@@ -68,9 +69,6 @@ def _packer_of(cls: type) -> Packer:
         for i, hook in hooks:
             out[i] = hook(out[i])
         return (index, *out)
-
-    unnested = [(i + 1, _value_unpacker(f.type)) for i, f in enumerate(fields)]
-    unhooks = [(i, hook) for i, hook in unnested if hook is not None]
 
     def unpacker(packed: tuple[Any, ...]) -> Any:
         values = list(packed)
@@ -112,14 +110,17 @@ def _item_type(tp: Any) -> Any:
     return None
 
 
-def _value_packer(tp: Any) -> Packer | None:
-    """How a field of type `tp` is packed; None when it is kept as it is (numbers, strings,
-    bytes and tuples of them)."""
+def _field_codec(tp: Any) -> tuple[Packer, Packer] | None:
+    """How a field of type `tp` is packed and unpacked; None when it is kept as it is
+    (numbers, strings, bytes and tuples of them)."""
     if _holds_instances(tp):
-        return _pack_instance
+        return _pack_instance, _unpack_optional
     item = _item_type(tp)
     if item is not None and _holds_instances(item):
-        return lambda values: tuple(_pack_instance(v) for v in values)
+        return (
+            lambda values: tuple(_pack_instance(v) for v in values),
+            lambda values: tuple(_unpack_instance(v) for v in values),
+        )
     return None
 
 
@@ -128,15 +129,6 @@ def _pack_instance(value: Any) -> Any:
         return None
     packer = _PACKERS.get(type(value)) or _packer_of(type(value))
     return packer(value)
-
-
-def _value_unpacker(tp: Any) -> Callable[[Any], Any] | None:
-    if _holds_instances(tp):
-        return _unpack_optional
-    item = _item_type(tp)
-    if item is not None and _holds_instances(item):
-        return lambda values: tuple(_unpack_instance(v) for v in values)
-    return None
 
 
 def _unpack_optional(packed: Any) -> Any:
