@@ -17,14 +17,14 @@ import wasmtime
 
 from pie.client import connect
 from pie.client.errors import NoSuchProgram, ServerError
+from pie.client.local import LocalServer
 from pie.cluster.programs import SharedNameTaken
 from pie.config import EngineConfig, with_overrides
 from pie.server.app import Server
 from pie.server.clustered import open_shared_state
+from tests.model_fixtures import default_model_dir  # noqa: F401
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401
 from tests.server_fixtures import serving
-
-pytestmark = pytest.mark.integration
 
 GUEST = (Path(__file__).parent / "wat_guests" / "host_calls.wat").read_text()
 """Input "e…" returns it unchanged."""
@@ -61,6 +61,7 @@ async def run(url: str, user: str, program: str, text: str) -> Any:
             return await inferlet.result()
 
 
+@pytest.mark.integration
 async def test_installed_through_one_node_runs_on_another_by_name_and_by_hash(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -76,14 +77,22 @@ async def test_installed_through_one_node_runs_on_another_by_name_and_by_hash(
         by_name = await run(b.url, "ada", "echo@1.0", "e from a")
         latest = await run(b.url, "ada", "echo", "e from a")
         by_hash = await run(b.url, "bob", info.hash, "e from a")
+        async with connect(a.url, user="ada") as client:
+            newer = await client.install(variant(program, b"2"), name="echo", version="2.0")
+        async with connect(b.url, user="ada") as client:
+            older = await client.query_program("echo@1.0")
+            latest_now = await client.query_program("echo")
     assert on_a.ok and on_a.result == "e from a"
     assert [(o.status, o.result) for o in (by_name, latest, by_hash)] == [
         ("returned", "e from a")
     ] * 3
-    kept = list((tmp_path / "b" / "programs").glob("*.wasm"))
-    assert [p.name for p in kept] == [f"{info.hash}.wasm"], "node b cached it on disk"
+    assert older is not None and older.hash == info.hash
+    assert latest_now is not None and latest_now.hash == newer.hash, "the cluster's latest"
+    kept = sorted(p.name for p in (tmp_path / "b" / "programs").glob("*.wasm"))
+    assert kept == sorted([f"{info.hash}.wasm", f"{newer.hash}.wasm"]), "b cached both on disk"
 
 
+@pytest.mark.integration
 async def test_a_users_names_are_its_own_and_never_rebound_through_any_node(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -119,6 +128,7 @@ async def test_a_users_names_are_its_own_and_never_rebound_through_any_node(
         assert a.engine.programs.bound("echo", "1.0", owner="bob") == mine.hash
 
 
+@pytest.mark.integration
 async def test_two_nodes_binding_one_name_at_once_to_different_bytes_one_wins(
     redis_server: RedisServer,  # noqa: F811
     program: bytes,
@@ -146,6 +156,7 @@ async def test_two_nodes_binding_one_name_at_once_to_different_bytes_one_wins(
     assert bound is not None and bound.hash == winners[0]
 
 
+@pytest.mark.integration
 async def test_the_cluster_refuses_programs_past_its_limits(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -160,7 +171,7 @@ async def test_the_cluster_refuses_programs_past_its_limits(
             with pytest.raises(ServerError) as refused:
                 await client.install(big, name="echo", version="2.0")
             again = await client.install(program, name="echo", version="1.1")
-        assert refused.value.kind == "too-large"
+        assert refused.value.kind == "quota"
         assert "past" in str(refused.value) and "max_user_programs_mb" in str(refused.value)
         assert again.hash == hashlib.sha256(program).hexdigest(), "the same bytes count once"
         shared.max_program_bytes = len(program) - 1
@@ -170,6 +181,7 @@ async def test_the_cluster_refuses_programs_past_its_limits(
         assert too_big.value.kind == "too-large" and "max_program_mb" in str(too_big.value)
 
 
+@pytest.mark.integration
 async def test_with_redis_away_a_node_serves_its_cached_programs_to_their_owners_only(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -196,3 +208,38 @@ async def test_with_redis_away_a_node_serves_its_cached_programs_to_their_owners
                 with pytest.raises(NoSuchProgram):
                     await client.launch("echo", "e")
     assert owner.ok and owner.result == "e while away"
+
+
+@pytest.mark.model
+async def test_two_pie_serve_nodes_share_an_installed_program(
+    tmp_path: Path,
+    default_model_dir: Path,  # noqa: F811
+    redis_server: RedisServer,  # noqa: F811
+    program: bytes,
+) -> None:
+    started = []
+    for name in ("a", "b"):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(
+            f'[kv]\nnum_pages = 16\n[server]\nprograms_dir = "{tmp_path / name}"\n'
+            f'[sandbox]\ncache_dir = "{tmp_path / name / "components"}"\n'
+        )
+        args = ["--config", str(config), "--cluster", redis_server.url]
+        started.append(
+            await trio.to_thread.run_sync(
+                lambda a=args: LocalServer.start(default_model_dir, args=a)
+            )
+        )
+    a, b = started
+    try:
+        async with connect(a.url, user="ada") as client:
+            info = await client.install(program, name="echo", version="1.0")
+        by_name = await run(b.url, "ada", "echo", "e by name")
+        by_hash = await run(b.url, "ada", info.hash, "e by hash")
+        async with connect(b.url, user="bob") as client:
+            with pytest.raises(NoSuchProgram):
+                await client.launch("echo", "e")
+    finally:
+        for server in started:
+            await trio.to_thread.run_sync(server.stop)
+    assert (by_name.result, by_hash.result) == ("e by name", "e by hash")

@@ -19,15 +19,15 @@ from trio_websocket import ConnectionClosed
 
 from pie.client import connect
 from pie.client.errors import AuthenticationFailed
+from pie.client.local import LocalServer
 from pie.config import EngineConfig, with_overrides
 from pie.server.app import Server
 from pie.server.clustered import follow_users, open_shared_state
 from pie.wire import messages as msg
+from tests.model_fixtures import default_model_dir  # noqa: F401
 from tests.redis_fixtures import RedisServer, free_port, redis_server  # noqa: F401
 from tests.server_fixtures import Raw, serving
 from tests.server_fixtures import connect as open_ws
-
-pytestmark = pytest.mark.integration
 
 REVOKED_WITHIN = 1.0
 
@@ -83,6 +83,7 @@ async def until_served(url: str, user: str, token: str) -> None:
                 await trio.sleep(0.05)
 
 
+@pytest.mark.integration
 async def test_a_user_added_to_the_cluster_connects_to_every_node(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -100,6 +101,7 @@ async def test_a_user_added_to_the_cluster_connects_to_every_node(
     assert listed.stdout.decode().splitlines()[1].split() == ["ada", "yes", "-"]
 
 
+@pytest.mark.integration
 async def test_a_revocation_closes_the_users_connections_on_every_node_within_a_second(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -131,6 +133,7 @@ async def test_a_revocation_closes_the_users_connections_on_every_node_within_a_
                 pass
 
 
+@pytest.mark.integration
 async def test_a_new_token_revokes_the_old_one_on_every_node(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -147,6 +150,7 @@ async def test_a_new_token_revokes_the_old_one_on_every_node(
         await until_served(a.url, "ada", new)
 
 
+@pytest.mark.integration
 async def test_with_redis_away_a_node_checks_against_the_users_it_last_read(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -174,6 +178,7 @@ async def test_with_redis_away_a_node_checks_against_the_users_it_last_read(
                 pass
 
 
+@pytest.mark.integration
 def test_pie_auth_on_an_unreachable_cluster_is_one_line() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     done = subprocess.run(
@@ -184,3 +189,39 @@ def test_pie_auth_on_an_unreachable_cluster_is_one_line() -> None:
     )
     assert done.returncode == 2
     assert done.stderr == f"pie auth: cannot reach Redis at {url}: connection refused\n"
+
+
+@pytest.mark.model
+async def test_on_pie_serve_nodes_a_revocation_closes_the_users_connection_on_the_other_node(
+    tmp_path: Path,
+    default_model_dir: Path,  # noqa: F811
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    url = redis_server.url
+    started = []
+    for name in ("a", "b"):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(f'[kv]\nnum_pages = 16\n[server]\nprograms_dir = "{tmp_path / name}"\n')
+        args = ["--config", str(config), "--cluster", url, "--auth", "on"]
+        started.append(
+            await trio.to_thread.run_sync(
+                lambda a=args: LocalServer.start(default_model_dir, args=a)
+            )
+        )
+    a, b = started
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            ada, bob = await add_user(url, "ada"), await add_user(url, "bob")
+            await until_served(a.url, "ada", ada)
+            await until_served(b.url, "bob", bob)
+            held = await signed_in(stack, b.url, "ada", ada)
+            good = await signed_in(stack, b.url, "bob", bob)
+            removed = await pie_auth(url, "remove", "ada")
+            assert removed.returncode == 0, removed.stderr
+            with trio.fail_after(REVOKED_WITHIN), pytest.raises(ConnectionClosed):
+                while True:
+                    await held.next()
+            assert isinstance(await good.call(msg.QueryStatistics), msg.EngineStatus)
+    finally:
+        for server in started:
+            await trio.to_thread.run_sync(server.stop)

@@ -52,8 +52,12 @@ class SharedNameTaken(SharedProgramError):
     """The user's `name@version` is bound to other bytes in the cluster."""
 
 
+class SharedTooLarge(SharedProgramError):
+    """The program is larger than [cluster] max_program_mb."""
+
+
 class SharedQuotaExceeded(SharedProgramError):
-    """The program is larger than max_program_mb, or would take the user past its quota."""
+    """The program would take the user's programs past [cluster] max_user_programs_mb."""
 
 
 @frozen(kw_only=True)
@@ -77,7 +81,7 @@ class SharedPrograms:
         """Stores `wasm` (once per hash) and binds `user`'s `name@version` to it; raises
         SharedNameTaken or SharedQuotaExceeded instead of changing anything."""
         if len(wasm) > self.max_program_bytes:
-            raise SharedQuotaExceeded(
+            raise SharedTooLarge(
                 f"the program is {_mib(len(wasm))}, more than the cluster takes "
                 f"([cluster] max_program_mb = {self.max_program_bytes >> 20})"
             )

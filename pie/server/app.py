@@ -117,7 +117,7 @@ class Server:
             from pie.server.shared_programs import NodePrograms
 
             self.node_programs = NodePrograms(
-                shared_programs, engine.programs, self.installed, self._compile
+                shared_programs, engine, self.installed, self._compiles
             )
         self._requester: Requester | None = None
         self._nursery: trio.Nursery | None = None
@@ -373,14 +373,6 @@ class Server:
             and not limiter.statistics().tasks_waiting
         ):
             del self._compiles_of[user]
-
-    async def _compile(self, wasm: bytes, digest: str) -> None:
-        """Compiles a program fetched from the cluster into this node's cache."""
-        async with self._compiles:
-            try:
-                await trio.to_thread.run_sync(self.engine.wasm.cache.load, wasm, digest)
-            except InvalidProgram as err:
-                raise Refused("invalid-program", str(err)) from None
 
     def _check_and_compile(self, upload: Upload) -> None:
         check_hash(upload)

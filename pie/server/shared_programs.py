@@ -5,27 +5,29 @@ While Redis is away the node serves what it holds, each name only to the user th
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
-from pie.actors.inferlet.programs import ProgramError, ProgramInfo, ProgramRegistry
+from pie.actors.inferlet.programs import ProgramError, ProgramInfo
 from pie.cluster.programs import (
     SharedNameTaken,
     SharedProgramError,
     SharedPrograms,
     SharedQuotaExceeded,
+    SharedTooLarge,
 )
 from pie.cluster.store import STORE_ERRORS, reason, redacted
+from pie.sandbox import InvalidProgram
 from pie.server.hub import Refused
 from pie.server.installed import InstalledPrograms
+
+if TYPE_CHECKING:
+    from pie.engine import Engine
 
 log = logging.getLogger(__name__)
 
 HASH_LENGTH = 64
-
-Compile = Callable[[bytes, str], Awaitable[None]]
-"""Compiles a component (bytes, sha256) into the node's cache; raises Refused when invalid."""
 
 
 class NodePrograms:
@@ -34,14 +36,16 @@ class NodePrograms:
     def __init__(
         self,
         shared: SharedPrograms,
-        registry: ProgramRegistry,
+        engine: Engine,
         installed: InstalledPrograms,
-        compile_: Compile,
+        compiles: trio.CapacityLimiter,
     ) -> None:
         self.shared = shared
-        self.registry = registry
+        self.engine = engine
+        self.registry = engine.programs
         self.installed = installed
-        self.compile = compile_
+        self.compiles = compiles
+        """The server's limit on compiles at once, shared with its installs."""
         self.redis_away = False
         """True since a Redis command failed, until one succeeds (logged once each way)."""
 
@@ -52,8 +56,10 @@ class NodePrograms:
             await self.shared.bind(user, info.name, info.version, wasm, info.hash)
         except SharedNameTaken as err:
             raise Refused("name-taken", str(err)) from None
-        except SharedQuotaExceeded as err:
+        except SharedTooLarge as err:
             raise Refused("too-large", str(err)) from None
+        except SharedQuotaExceeded as err:
+            raise Refused("quota", str(err)) from None
         except STORE_ERRORS as exc:
             self._lost(exc)
             raise Refused("cluster-unavailable", self._unavailable(exc, "installs")) from None
@@ -62,8 +68,9 @@ class NodePrograms:
     async def resolve(self, reference: str, user: str) -> ProgramInfo:
         """The program `reference` names for `user`, fetched from the cluster when this node
         lacks it; with Redis away, what the node holds (names as owned in its cache)."""
+        local = reference
         try:
-            await self._fetch_for(reference, user)
+            local = await self._fetch_for(reference, user)
         except STORE_ERRORS as exc:
             self._lost(exc)
         except SharedProgramError as err:
@@ -71,24 +78,27 @@ class NodePrograms:
         else:
             self._back()
         try:
-            return self.registry.resolve(reference, user).info
+            return self.registry.resolve(local, user).info
         except ProgramError as err:
             raise Refused("no-such-program", str(err)) from None
 
-    async def _fetch_for(self, reference: str, user: str) -> None:
+    async def _fetch_for(self, reference: str, user: str) -> str:
+        """Fetches what `reference` names in the cluster when this node lacks it; returns the
+        reference to look up here (`name@version` as the cluster binds it, whose latest version
+        may differ from the one this node learnt last)."""
         if _is_hash(reference):
             if not self.registry.holds(reference):
                 wasm = await self.shared.fetch(reference)
                 if wasm is not None:
                     await self.compile(wasm, reference)
                     self.registry.hold(wasm, reference)
-            return
+            return reference
         binding = await self.shared.binding(user, reference)
         if binding is None:
-            return
-        if self.registry.bound(binding.name, binding.version, owner=user) == binding.hash:
-            return
+            return reference
         label = f"{binding.name}@{binding.version}"
+        if self.registry.bound(binding.name, binding.version, owner=user) == binding.hash:
+            return label
         wasm = await self.shared.fetch(binding.hash)
         if wasm is None:
             raise SharedProgramError(f"the cluster lost the bytes of {label} ({binding.hash[:12]})")
@@ -100,6 +110,15 @@ class NodePrograms:
         except ProgramError as err:
             raise SharedProgramError(str(err)) from None
         await trio.to_thread.run_sync(self.installed.record, user, info, wasm)
+        return label
+
+    async def compile(self, wasm: bytes, digest: str) -> None:
+        """Compiles a program fetched from the cluster into this node's component cache."""
+        async with self.compiles:
+            try:
+                await trio.to_thread.run_sync(self.engine.wasm.cache.load, wasm, digest)
+            except InvalidProgram as err:
+                raise Refused("invalid-program", str(err)) from None
 
     def _lost(self, exc: BaseException) -> None:
         if not self.redis_away:
