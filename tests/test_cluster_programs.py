@@ -1,7 +1,7 @@
 """Programs shared by the nodes of a cluster through a real Redis: installed through one node,
 launched through another by name and by hash; names owned per user and never rebound, through
 either node; the cluster's size limits; and a node that keeps serving its cached programs, to
-their owners only, while Redis is away."""
+their owners only, while Redis is away, and shares them again once Redis is back empty."""
 
 from __future__ import annotations
 
@@ -207,6 +207,9 @@ async def test_with_redis_away_a_node_serves_its_cached_programs_to_their_owners
             async with connect(b.url, user="bob") as client:
                 with pytest.raises(NoSuchProgram):
                     await client.launch("echo", "e")
+            async with node(tmp_path, url, "c") as c:
+                again = await run(c.url, "ada", "echo", "e on a new node")
+    assert again.result == "e on a new node", "b shared ada's echo again when its owner used it"
     assert owner.ok and owner.result == "e while away"
 
 

@@ -95,6 +95,7 @@ class NodePrograms:
             return reference
         binding = await self.shared.binding(user, reference)
         if binding is None:
+            await self._publish_own(reference, user)
             return reference
         label = f"{binding.name}@{binding.version}"
         if self.registry.bound(binding.name, binding.version, owner=user) == binding.hash:
@@ -111,6 +112,27 @@ class NodePrograms:
             raise SharedProgramError(str(err)) from None
         await trio.to_thread.run_sync(self.installed.record, user, info, wasm)
         return label
+
+    async def _publish_own(self, reference: str, user: str) -> None:
+        """Binds in Redis again a name this node holds as `user`'s own that Redis lacks (a
+        Redis restarted without its data), so the user's other nodes find it again."""
+        try:
+            program = self.registry.resolve(reference, user)
+        except ProgramError:
+            return
+        info = program.info
+        if self.registry.bound(info.name, info.version, owner=user) != info.hash:
+            return  # the operator's shared name, or none of the user's
+        try:
+            await self.shared.bind(user, info.name, info.version, program.wasm, info.hash)
+        except SharedProgramError as err:
+            log.warning(
+                "pie: could not share %s@%s of %r again: %s", info.name, info.version, user, err
+            )
+        else:
+            log.info(
+                "pie: shared %s@%s of %r again (Redis had lost it)", info.name, info.version, user
+            )
 
     async def compile(self, wasm: bytes, digest: str) -> None:
         """Compiles a program fetched from the cluster into this node's component cache."""
