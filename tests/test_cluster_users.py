@@ -20,10 +20,15 @@ from trio_websocket import ConnectionClosed
 from pie.client import connect
 from pie.client.errors import AuthenticationFailed
 from pie.client.local import LocalServer
+from pie.cluster.store import open_store
+from pie.cluster.users import SharedUsers
 from pie.config import EngineConfig, with_overrides
 from pie.server.app import Server
 from pie.server.clustered import follow_users, open_shared_state
+from pie.server.shared_users import add_user as add_to_cluster
+from pie.server.shared_users import remove_user as remove_from_cluster
 from pie.wire import messages as msg
+from pie.wire.challenge import AuthError
 from tests.model_fixtures import default_model_dir  # noqa: F401
 from tests.redis_fixtures import RedisServer, free_port, redis_server  # noqa: F401
 from tests.server_fixtures import Raw, serving
@@ -189,6 +194,22 @@ def test_pie_auth_on_an_unreachable_cluster_is_one_line() -> None:
     )
     assert done.returncode == 2
     assert done.stderr == f"pie auth: cannot reach Redis at {url}: connection refused\n"
+
+
+@pytest.mark.integration
+async def test_the_cluster_refuses_a_user_past_max_users(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    async with open_store(redis_server.url, 3.0) as store:
+        shared = SharedUsers(store, max_users=1)
+        await add_to_cluster(shared, "ada", token=True, public_key=None)
+        with pytest.raises(AuthError, match=r"holds 1 users, its \[cluster\] max_users"):
+            await add_to_cluster(shared, "bob", token=True, public_key=None)
+        assert await add_to_cluster(shared, "ada", token=True, public_key=None), "a new token"
+        await remove_from_cluster(shared, "ada")
+        await add_to_cluster(shared, "bob", token=True, public_key=None)
+        with pytest.raises(AuthError, match="no user 'ada' in the cluster"):
+            await remove_from_cluster(shared, "ada")
 
 
 @pytest.mark.model

@@ -11,8 +11,8 @@ from attrs import frozen
 
 from pie.cluster.programs import SharedPrograms
 from pie.cluster.store import STORE_ERRORS, ClusterUnreachable, open_store, redis_down
-from pie.cluster.users import SharedUsers
-from pie.config import ClusterConfig
+from pie.cluster.users import SharedUsers, UsersFull
+from pie.config import ClusterConfig, ConfigError
 from pie.server.app import Server
 from pie.server.shared_users import MirroredUsers
 
@@ -27,7 +27,7 @@ class SharedState:
 @contextlib.asynccontextmanager
 async def open_shared_state(config: ClusterConfig) -> AsyncIterator[SharedState]:
     """The cluster's programs and users, with the users read once; ClusterUnreachable when
-    Redis does not answer."""
+    Redis does not answer, ConfigError when it holds more users than [cluster] max_users."""
     failure: BaseException | None = None
     async with open_store(config.redis, config.connect_timeout_seconds) as store:
         programs = SharedPrograms(
@@ -39,10 +39,12 @@ async def open_shared_state(config: ClusterConfig) -> AsyncIterator[SharedState]
         users = MirroredUsers(shared_users, config.users_poll_seconds)
         try:
             await users.load()
-        except STORE_ERRORS as exc:
+        except (*STORE_ERRORS, UsersFull) as exc:
             failure = exc  # raised outside the client's context (see check_reachable)
         else:
             yield SharedState(programs=programs, users=users)
+    if isinstance(failure, UsersFull):
+        raise ConfigError(str(failure)) from None
     if failure is not None:
         raise ClusterUnreachable(redis_down(config.redis, failure)) from None
 

@@ -154,7 +154,8 @@ class NodePrograms:
 
     def _back(self) -> None:
         if self.redis_away:
-            log.warning("pie: Redis at %s answers about programs again", self.shared.store.url)
+            where = redacted(self.shared.store.url)
+            log.warning("pie: Redis at %s answers about programs again", where)
         self.redis_away = False
 
     def _unavailable(self, exc: BaseException, what: str) -> str:

@@ -61,6 +61,9 @@ class MirroredUsers(UserChecks):
                 await self._follow()
             except STORE_ERRORS as exc:
                 self._lost(exc)
+            except UsersFull as err:
+                # Too many to read: keep the copy (and say so) rather than stop the server.
+                self._lost(err)
             else:
                 self._back()
 
@@ -77,7 +80,7 @@ class MirroredUsers(UserChecks):
     def _lost(self, exc: BaseException) -> None:
         if not self.redis_away:
             log.warning(
-                "pie: Redis at %s did not answer about users (%s): checking against the users "
+                "pie: cannot read the users from Redis at %s (%s): checking against the users "
                 "as last read; user changes wait for Redis",
                 redacted(self.shared.store.url),
                 reason(exc),
@@ -86,7 +89,9 @@ class MirroredUsers(UserChecks):
 
     def _back(self) -> None:
         if self.redis_away:
-            log.warning("pie: Redis at %s answers about users again", self.shared.store.url)
+            log.warning(
+                "pie: read the users from Redis at %s again", redacted(self.shared.store.url)
+            )
         self.redis_away = False
 
 
