@@ -19,6 +19,7 @@ from pie.client import connect
 from pie.client.errors import NoSuchProgram, ServerError
 from pie.client.local import LocalServer
 from pie.cluster.programs import SharedNameTaken
+from pie.cluster.status import read_status
 from pie.config import EngineConfig, with_overrides
 from pie.server.app import Server
 from pie.server.clustered import open_shared_state
@@ -86,6 +87,15 @@ async def test_installed_through_one_node_runs_on_another_by_name_and_by_hash(
     assert [(o.status, o.result) for o in (by_name, latest, by_hash)] == [
         ("returned", "e from a")
     ] * 3
+    shown = await read_status(url, 3.0, 256)
+    assert [(p.user, p.name, p.version, p.hash, p.size) for p in shown.programs] == [
+        ("ada", "echo", "1.0", info.hash, len(program)),
+        ("ada", "echo", "2.0", newer.hash, newer.size),
+    ]
+    assert [line.split()[:4] for line in shown.lines() if line.startswith("program")] == [
+        ["program", "ada", "echo@1.0", info.hash[:12]],
+        ["program", "ada", "echo@2.0", newer.hash[:12]],
+    ]
     assert older is not None and older.hash == info.hash
     assert latest_now is not None and latest_now.hash == newer.hash, "the cluster's latest"
     kept = sorted(p.name for p in (tmp_path / "b" / "programs").glob("*.wasm"))

@@ -22,6 +22,8 @@ USER_PROGRAMS_PREFIX = "pie:user-programs:"
 """A set per user: the hashes its bindings count against its quota (each once)."""
 USER_BYTES_PREFIX = "pie:user-bytes:"
 """An integer per user: the bytes of the hashes in its set."""
+LISTED_PROGRAMS = 1000
+"""The most bindings `pie cluster status` lists."""
 
 # KEYS: bindings, latest, user programs, user bytes, program.
 # ARGV: name, version, sha256, bytes, size, quota.
@@ -67,6 +69,39 @@ class Binding:
     name: str
     version: str
     hash: str
+
+
+@frozen(kw_only=True)
+class InstalledProgram:
+    """A user's binding as `pie cluster status` shows it."""
+
+    user: str
+    name: str
+    version: str
+    hash: str
+    size: int
+
+
+async def installed_programs(
+    store: RedisStore, limit: int = LISTED_PROGRAMS
+) -> tuple[tuple[InstalledProgram, ...], bool]:
+    """Up to `limit` bindings of every user (sorted), and whether more were left out."""
+    client, found = store.client, []
+    with trio.fail_after(store.timeout * 4):
+        async for key in client.scan_iter(match=BINDINGS_PREFIX + "*", count=200):
+            user = _text(key)[len(BINDINGS_PREFIX) :]
+            for label, digest in (await client.hgetall(key)).items():
+                name, _, version = _text(label).partition("@")
+                found.append((user, name, version, _text(digest)))
+            if len(found) > limit:
+                break
+        found.sort()
+        sizes = {d: await client.strlen(PROGRAM_PREFIX + d) for d in {f[3] for f in found[:limit]}}
+    listed = tuple(
+        InstalledProgram(user=u, name=n, version=v, hash=d, size=sizes[d])
+        for u, n, v, d in found[:limit]
+    )
+    return listed, len(found) > limit
 
 
 class SharedPrograms:
