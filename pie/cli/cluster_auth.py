@@ -8,7 +8,7 @@ import sys
 
 import trio
 
-from pie.cli.auth import read_key, print_users, report_added
+from pie.cli.auth import print_users, read_key, report_added
 from pie.cluster.store import STORE_ERRORS, open_store, redacted, redis_down
 from pie.cluster.users import SharedUsers
 from pie.config import EngineConfig, with_overrides

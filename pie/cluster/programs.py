@@ -114,7 +114,7 @@ class SharedPrograms:
 
     async def bind(self, user: str, name: str, version: str, wasm: bytes, digest: str) -> None:
         """Stores `wasm` (once per hash) and binds `user`'s `name@version` to it; raises
-        SharedNameTaken or SharedQuotaExceeded instead of changing anything."""
+        SharedTooLarge, SharedNameTaken or SharedQuotaExceeded instead of changing anything."""
         if len(wasm) > self.max_program_bytes:
             raise SharedTooLarge(
                 f"the program is {_mib(len(wasm))}, more than the cluster takes "
@@ -147,10 +147,6 @@ class SharedPrograms:
             return None
         return Binding(name=name, version=version, hash=_text(digest))
 
-    async def has(self, digest: str) -> bool:
-        with trio.fail_after(self.store.timeout):
-            return bool(await self.store.client.exists([PROGRAM_PREFIX + digest]))
-
     async def fetch(self, digest: str) -> bytes | None:
         """The bytes stored under `digest`, checked against it; None when there are none."""
         with trio.fail_after(self.store.timeout):
@@ -160,16 +156,6 @@ class SharedPrograms:
         if hashlib.sha256(wasm).hexdigest() != digest:
             raise SharedProgramError(f"the cluster's bytes for {digest[:12]} do not hash to it")
         return bytes(wasm)
-
-    async def bindings(self, user: str) -> list[Binding]:
-        """Every `name@version` of `user`, sorted."""
-        with trio.fail_after(self.store.timeout):
-            found = await self.store.client.hgetall(BINDINGS_PREFIX + user)
-        labels = sorted((_text(label), _text(digest)) for label, digest in found.items())
-        return [
-            Binding(name=lb.partition("@")[0], version=lb.partition("@")[2], hash=d)
-            for lb, d in labels
-        ]
 
 
 def _raise_refusal(
