@@ -54,6 +54,7 @@ async def serving(
     tokenizer: Any = None,
     config: EngineConfig | None = None,
     users: Any = None,
+    shared_programs: Any = None,
     **server: Any,
 ) -> AsyncIterator[Server]:
     """Yields the running Server (`.url`, `.engine`); stops it gracefully on exit.
@@ -70,7 +71,7 @@ async def serving(
         config, server={"host": "127.0.0.1", "port": 0, "programs_dir": programs, **server}
     )
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
-        server_ = Server(engine, config.server, users=users)
+        server_ = Server(engine, config.server, users=users, shared_programs=shared_programs)
         async with trio.open_nursery() as nursery:
             await nursery.start(server_.run)
             try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pie.server.auth import UserStore
+    from pie.server.auth import UserRecord, UserStore
 
 
 def run_auth(args: argparse.Namespace) -> int:
@@ -16,6 +16,10 @@ def run_auth(args: argparse.Namespace) -> int:
     from pie.server.auth import UserStore, default_users_dir
     from pie.wire.challenge import AuthError
 
+    if args.cluster:
+        from pie.cli.cluster_auth import run_cluster_auth
+
+        return run_cluster_auth(args)
     store = UserStore(Path(args.users_dir) if args.users_dir else default_users_dir())
     try:
         if args.auth_command == "add":
@@ -33,7 +37,7 @@ def run_auth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_key(key_path: str) -> str:
+def read_key(key_path: str) -> str:
     from pie.wire.challenge import AuthError
 
     try:
@@ -43,9 +47,13 @@ def _read_key(key_path: str) -> str:
 
 
 def _add(store: UserStore, user: str, *, key_path: str | None, token: bool) -> None:
-    public_key = _read_key(key_path) if key_path is not None else None
+    public_key = read_key(key_path) if key_path is not None else None
     new_token = store.add(user, token=token, public_key=public_key)
-    if public_key is not None:
+    report_added(user, key_path, new_token)
+
+
+def report_added(user: str, key_path: str | None, new_token: str | None) -> None:
+    if key_path is not None:
         print(f"user {user} accepts the key {key_path}", file=sys.stderr)
     if new_token is not None:
         print(new_token)
@@ -53,8 +61,12 @@ def _add(store: UserStore, user: str, *, key_path: str | None, token: bool) -> N
 
 
 def _list(store: UserStore) -> None:
+    print_users(store.list())
+
+
+def print_users(records: list[UserRecord]) -> None:
     rows = [("user", "token", "keys")]
-    for record in store.list():
+    for record in records:
         keys = ", ".join(record.keys) if record.keys else "-"
         rows.append((record.name, "yes" if record.has_token else "no", keys))
     width = max(len(row[0]) for row in rows)

@@ -166,6 +166,12 @@ def add_auth_parser(commands: Commands) -> None:
         default=None,
         help="where users live (default: $PIE_CONFIG_DIR/users or ~/.config/pie/users)",
     )
+    common.add_argument(
+        "--cluster",
+        metavar="URL",
+        default=None,
+        help="manage the users of the cluster at this Redis URL instead of a directory",
+    )
     auth = commands.add_parser("auth", help="manage the users of `pie serve`")
     actions = auth.add_subparsers(dest="auth_command", required=True, metavar="ACTION")
 

@@ -1,13 +1,15 @@
 """What the cluster holds, read from Redis: the live nodes (those whose record has not expired),
-and, in later parts, the installed programs and the named snapshots."""
+the installed programs and, in a later part, the named snapshots."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import attrs
 from attrs import frozen
 
+from pie.cluster.programs import InstalledProgram, installed_programs
 from pie.cluster.records import NODES_INDEX, NodeRecord, RecordError, node_key
 from pie.cluster.store import STORE_ERRORS, ClusterUnreachable, RedisStore, open_store, redis_down
 
@@ -19,11 +21,15 @@ class ClusterStatus:
     """Ids whose record is not one pie wrote (left out of `nodes`)."""
     truncated: bool = False
     """More nodes are listed than `max_nodes`; only that many were read."""
+    programs: tuple[InstalledProgram, ...] = ()
+    """Every user's installed programs (up to LISTED_PROGRAMS)."""
+    programs_truncated: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "nodes": [node.to_dict() for node in self.nodes],
-            "programs": [],
+            "programs": [attrs.asdict(program) for program in self.programs],
+            "programs_truncated": self.programs_truncated,
             "snapshots": [],
             "unreadable": list(self.unreadable),
             "truncated": self.truncated,
@@ -32,7 +38,11 @@ class ClusterStatus:
     def lines(self, now: float | None = None) -> list[str]:
         """One line per node, for people."""
         now = time.time() if now is None else now
-        return [_line(node, now) for node in self.nodes]
+        programs = [
+            f"program  {p.user}  {p.name}@{p.version}  {p.hash[:12]}  {p.size} bytes"
+            for p in self.programs
+        ]
+        return [_line(node, now) for node in self.nodes] + programs
 
 
 def _line(node: NodeRecord, now: float) -> str:
@@ -70,7 +80,9 @@ async def read_status(url: str, timeout: float, limit: int) -> ClusterStatus:
     failure: BaseException | None = None
     async with open_store(url, timeout) as store:
         try:
-            return await live_nodes(store, limit)
+            status = await live_nodes(store, limit)
+            programs, more = await installed_programs(store)
+            return attrs.evolve(status, programs=programs, programs_truncated=more)
         except STORE_ERRORS as exc:
             failure = exc
     assert failure is not None

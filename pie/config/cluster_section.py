@@ -75,6 +75,17 @@ class ClusterConfig:
     max_nodes: int = field(default=256, validator=at_least(1))
     """Nodes a cluster may hold: one more is refused when it joins, and `pie cluster status`
     reads no more than this many."""
+    max_program_mb: int = field(default=64, validator=at_least(1))
+    """The largest program (its component's bytes) the cluster store takes at an install."""
+    max_user_programs_mb: int = field(default=512, validator=at_least(1))
+    """A user's programs together in the cluster store (each program's bytes counted once per
+    user): an install past it is refused."""
+    max_users: int = field(default=10000, validator=at_least(1))
+    """Users the cluster store holds: `pie auth add` of one more is refused, and a node reads no
+    more than this many."""
+    users_poll_seconds: float = field(default=0.25, validator=positive)
+    """How often a node asks Redis whether the users changed (a revocation reaches every node
+    within about this long)."""
 
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:

@@ -17,7 +17,7 @@ import trio_websocket
 from attrs import frozen
 
 from pie import __version__
-from pie.actors.inferlet.programs import NameTaken, ProgramError
+from pie.actors.inferlet.programs import NameTaken, ProgramError, ProgramInfo
 from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import ServerConfig
 from pie.events import inferlet as inf_ev
@@ -33,8 +33,9 @@ from pie.wire import messages as msg
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from pie.cluster.programs import SharedPrograms
     from pie.engine import Engine
-    from pie.server.auth import UserStore
+    from pie.server.auth import UserChecks
 
 SWEEP_SECONDS = 0.5
 STOP_WAIT_SECONDS = 10.0
@@ -77,8 +78,9 @@ class Server:
         engine: Engine,
         config: ServerConfig,
         *,
-        users: UserStore | None = None,
+        users: UserChecks | None = None,
         sockets: Sequence[socket.socket] = (),
+        shared_programs: SharedPrograms | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -110,6 +112,13 @@ class Server:
         self.pending_uploads = PendingBytes(config.max_pending_upload_mb_per_user << 20)
         programs_dir = config.programs_dir or engine.wasm.cache.directory.parent / "programs"
         self.installed = InstalledPrograms(Path(programs_dir))
+        self.node_programs = None
+        if shared_programs is not None:
+            from pie.server.shared_programs import NodePrograms
+
+            self.node_programs = NodePrograms(
+                shared_programs, engine, self.installed, self._compiles
+            )
         self._requester: Requester | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -217,7 +226,7 @@ class Server:
     async def launch(self, session: Session, request: msg.Launch) -> msg.Launched:
         if self.stopping:
             raise Refused("shutting-down", "the server is stopping")
-        info = self._resolve(request.program, session.user)
+        info = await self._resolve(request.program, session.user)
         assert self._requester is not None and self._nursery is not None
         run = await self._requester.launch(info.hash, request.input, user=session.user)
         self.hub.launched(
@@ -316,14 +325,16 @@ class Server:
 
     # -- programs and statistics ---------------------------------------------------------------
 
-    def _resolve(self, reference: str, user: str) -> Any:
+    async def _resolve(self, reference: str, user: str) -> Any:
+        if self.node_programs is not None:
+            return await self.node_programs.resolve(reference, user)
         try:
             return self.engine.programs.resolve(reference, user).info
         except ProgramError as err:
             raise Refused("no-such-program", str(err)) from None
 
-    def find_program(self, corr: int, reference: str, user: str) -> msg.ProgramFound:
-        return _found(corr, self._resolve(reference, user))
+    async def find_program(self, corr: int, reference: str, user: str) -> msg.ProgramFound:
+        return _found(corr, await self._resolve(reference, user))
 
     async def install(self, corr: int, upload: Upload, user: str) -> msg.ProgramFound:
         """Checks the name, the hash and compiles the component off the event loop (one user's
@@ -336,6 +347,12 @@ class Server:
             )
             async with limiter, self._compiles:
                 await trio.to_thread.run_sync(self._check_and_compile, upload)
+            if self.node_programs is not None:
+                size = len(upload.wasm)
+                label = ProgramInfo(
+                    hash=upload.hash, name=upload.name, version=upload.version, size=size
+                )
+                await self.node_programs.bind(user, label, upload.wasm)
             info = programs.add(
                 upload.wasm, upload.name, upload.version, owner=user, digest=upload.hash
             )

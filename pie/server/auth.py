@@ -89,87 +89,61 @@ class Credential:
     key: str | None = None
 
 
-# -- the store ----------------------------------------------------------------------------------
+# -- records ------------------------------------------------------------------------------------
 
 
-class UserStore:
-    """One `<name>.json` per user in `directory`; every call reads the files afresh, so edits by
-    `pie auth` reach a running server."""
+def parse_record(name: str, text: str, where: str) -> dict[str, Any]:
+    """A user record read from `where` (a file, or the cluster), checked; AuthError if bad."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise AuthError(f"cannot read user record {where}: {exc}") from exc
+    token = raw.get("token_sha256") if isinstance(raw, dict) else None
+    keys = raw.get("public_keys") if isinstance(raw, dict) else None
+    if (
+        not isinstance(raw, dict)
+        or not (token is None or isinstance(token, str))
+        or not isinstance(keys, list)
+        or not all(isinstance(k, str) for k in keys)
+    ):
+        raise AuthError(f"user record {where} is not a user record")
+    return {"name": name, "token_sha256": token, "public_keys": list(keys)}
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
 
-    def _path(self, name: str) -> Path:
-        return self.directory / f"{_check_name(name)}.json"
+def updated_record(
+    name: str, record: dict[str, Any] | None, *, token: bool, public_key: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """`record` (None: a new user) with a new token and/or `public_key` added, and the new
+    token (shown once) or None."""
+    _check_name(name)
+    if not token and public_key is None:
+        raise AuthError(f"nothing to add to user {name!r}: give a public key or a token")
+    key_line = parse_public_key(public_key) if public_key is not None else None
+    record = dict(record or {"name": name, "token_sha256": None, "public_keys": []})
+    record["public_keys"] = list(record["public_keys"])
+    new_token = secrets.token_urlsafe(32) if token else None
+    if new_token is not None:
+        record["token_sha256"] = _hash_token(new_token)
+    if key_line is not None and key_line not in record["public_keys"]:
+        record["public_keys"].append(key_line)
+    return record, new_token
+
+
+# -- the checks, over any source of records ----------------------------------------------------
+
+
+class UserChecks:
+    """What a connecting client offers, checked against the records `_read` finds."""
 
     def _read(self, name: str) -> dict[str, Any] | None:
-        path = self._path(name)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            raise AuthError(f"cannot read user file {path}: {exc}") from exc
-        token = raw.get("token_sha256") if isinstance(raw, dict) else None
-        keys = raw.get("public_keys") if isinstance(raw, dict) else None
-        if (
-            not isinstance(raw, dict)
-            or not (token is None or isinstance(token, str))
-            or not isinstance(keys, list)
-            or not all(isinstance(k, str) for k in keys)
-        ):
-            raise AuthError(f"user file {path} is not a user record")
-        return {"name": name, "token_sha256": token, "public_keys": list(keys)}
+        raise NotImplementedError
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if not self.directory.exists():
-            self.directory.mkdir(parents=True, mode=0o700)
-            os.chmod(self.directory, 0o700)
-        path = self._path(record["name"])
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{record['name']}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as out:
-                json.dump(record, out, indent=2)
-                out.write("\n")
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def add(self, name: str, *, token: bool = True, public_key: str | None = None) -> str | None:
-        """Creates or updates `name`; returns the new token (shown once), or None if none made."""
-        _check_name(name)
-        if not token and public_key is None:
-            raise AuthError(f"nothing to add to user {name!r}: give a public key or a token")
-        key_line = parse_public_key(public_key) if public_key is not None else None
-        record = self._read(name) or {"name": name, "token_sha256": None, "public_keys": []}
-        new_token = secrets.token_urlsafe(32) if token else None
-        if new_token is not None:
-            record["token_sha256"] = _hash_token(new_token)
-        if key_line is not None and key_line not in record["public_keys"]:
-            record["public_keys"].append(key_line)
-        self._write(record)
-        return new_token
-
-    def remove(self, name: str) -> None:
-        """Deletes the user; AuthError when there is none by that name."""
-        try:
-            self._path(name).unlink()
-        except FileNotFoundError:
-            raise AuthError(f"no user {name!r} in {self.directory}") from None
+    def names(self) -> set[str]:
+        raise NotImplementedError
 
     def list(self) -> list[UserRecord]:
         """Every user, sorted by name."""
         return [self._record(name) for name in sorted(self.names())]
-
-    def names(self) -> set[str]:
-        """The name of every user (files only listed, none read)."""
-        if not self.directory.is_dir():
-            return set()
-        return {p.stem for p in self.directory.glob("*.json") if _NAME_RE.fullmatch(p.stem)}
 
     def _record(self, name: str) -> UserRecord:
         raw = self._read(name)
@@ -233,3 +207,66 @@ class UserStore:
             stored = record["token_sha256"] or _NO_TOKEN
             return hmac.compare_digest(stored, credential.token_sha256)
         return credential.key in record["public_keys"]
+
+
+# -- the files ----------------------------------------------------------------------------------
+
+
+class UserStore(UserChecks):
+    """One `<name>.json` per user in `directory`; every call reads the files afresh, so edits by
+    `pie auth` reach a running server."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{_check_name(name)}.json"
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        path = self._path(name)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise AuthError(f"cannot read user file {path}: {exc}") from exc
+        return parse_record(name, text, f"file {path}")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self.directory.exists():
+            self.directory.mkdir(parents=True, mode=0o700)
+            os.chmod(self.directory, 0o700)
+        path = self._path(record["name"])
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{record['name']}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump(record, out, indent=2)
+                out.write("\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def add(self, name: str, *, token: bool = True, public_key: str | None = None) -> str | None:
+        """Creates or updates `name`; returns the new token (shown once), or None if none made."""
+        record, new_token = updated_record(
+            name, self._read(name), token=token, public_key=public_key
+        )
+        self._write(record)
+        return new_token
+
+    def remove(self, name: str) -> None:
+        """Deletes the user; AuthError when there is none by that name."""
+        try:
+            self._path(name).unlink()
+        except FileNotFoundError:
+            raise AuthError(f"no user {name!r} in {self.directory}") from None
+
+    def names(self) -> set[str]:
+        """The name of every user (files only listed, none read)."""
+        if not self.directory.is_dir():
+            return set()
+        return {p.stem for p in self.directory.glob("*.json") if _NAME_RE.fullmatch(p.stem)}

@@ -26,7 +26,7 @@ from pie.server.routes import Route, bearer_tokens, find_route
 
 if TYPE_CHECKING:
     from pie.engine import Engine
-    from pie.server.auth import Credential, UserStore
+    from pie.server.auth import Credential, UserChecks
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class HttpFront:
         mounts: Mounts,
         *,
         host: str,
-        users: UserStore | None = None,
+        users: UserChecks | None = None,
         credential_check_seconds: float = 2.0,
         shutdown_seconds: float = 30.0,
         routes: tuple[Route, ...] = (),

@@ -5,10 +5,12 @@ gracefully, a second at once)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -54,11 +56,21 @@ async def _serve(
     announce: Callable[[Server], None] | None,
     announce_http: Callable[[HttpFront], None] | None,
 ) -> None:
-    async with open_engine(with_snapshots_dir(config)) as engine:
-        server = Server(engine, config.server, sockets=ports.websocket)
+    async with open_engine(with_snapshots_dir(config)) as engine, _shared(config) as shared:
+        server = Server(
+            engine,
+            config.server,
+            sockets=ports.websocket,
+            shared_programs=shared.programs if shared else None,
+            users=shared.users if shared else None,
+        )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
+                if shared is not None:
+                    from pie.server.clustered import follow_users
+
+                    follow_users(shared, server, nursery)
                 front = await _start_http(engine, config, server, nursery, ports.http)
                 if front is not None and announce_http is not None:
                     announce_http(front)
@@ -75,6 +87,18 @@ async def _serve(
                     with trio.move_on_after(server.config.shutdown_seconds):
                         await front.wait_idle()
                 nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _shared(config: EngineConfig) -> AsyncIterator[Any]:
+    """The cluster's programs and users when [cluster] redis is set, else None."""
+    if not config.cluster.redis:
+        yield None
+        return
+    from pie.server.clustered import open_shared_state
+
+    async with open_shared_state(config.cluster) as shared:
+        yield shared
 
 
 async def _start_http(

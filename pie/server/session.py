@@ -130,7 +130,7 @@ class Session:
                 self._nonce = (request.user, server.new_nonce())
                 return msg.ChallengeIssued(corr=request.corr, nonce=self._nonce[1])
             case msg.QueryProgram():
-                return server.find_program(request.corr, request.program, self.user)
+                return await server.find_program(request.corr, request.program, self.user)
             case msg.UploadProgram():
                 return await self._upload(request)
             case msg.Launch():

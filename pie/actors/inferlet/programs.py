@@ -85,6 +85,20 @@ class ProgramRegistry:
             self.on_add(info, owner)
         return info
 
+    def hold(self, wasm: bytes, digest: str) -> None:
+        """Keeps `wasm` (checked by the caller to hash to `digest`) to be found by its hash,
+        binding no name: a program fetched from another node's install."""
+        if not wasm.startswith(WASM_MAGIC):
+            raise ProgramError("not a WebAssembly binary (it does not start with \\0asm)")
+        self._wasm.setdefault(digest, wasm)
+
+    def holds(self, digest: str) -> bool:
+        return digest in self._wasm
+
+    def bound(self, name: str, version: str, *, owner: Owner) -> str | None:
+        """The hash `owner`'s own `name@version` is bound to, or None (no shared fallback)."""
+        return self._names.get(owner, {}).get(name, {}).get(version)
+
     def bindings(self) -> list[tuple[ProgramInfo, Owner]]:
         """Every name@version bound so far, with its owner (grouped by owner)."""
         return [

@@ -19,7 +19,7 @@ from pie.server.routes import Receive, Route, Scope, Send, bearer_tokens, refuse
 
 if TYPE_CHECKING:
     from pie.engine import Engine
-    from pie.server.auth import Credential, UserStore
+    from pie.server.auth import Credential, UserChecks
 
 PREFIX = "/dashboard"
 ASSETS = {
@@ -55,7 +55,7 @@ class Dashboard:
         engine: Engine,
         config: DashboardConfig,
         *,
-        users: UserStore | None = None,
+        users: UserChecks | None = None,
         stopping: Callable[[], bool] = lambda: False,
         credential_check_seconds: float = 2.0,
     ) -> None:
