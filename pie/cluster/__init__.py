@@ -1,0 +1,1 @@
+"""Joining other nodes: the SGLang router in front of their OpenAI endpoints (router.py)."""
