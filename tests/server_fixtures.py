@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +91,12 @@ async def http_front(
     num_pages: int = 4096,
     sandbox: dict[str, Any] | None = None,
     routes: tuple[Route, ...] = (),
+    engine_routes: Callable[[Any], tuple[Route, ...]] = lambda engine: (),
     **http: Any,
 ) -> AsyncIterator[tuple[Any, HttpFront, Any]]:
-    """An engine serving `programs` ({prefix: wasm}) and `routes` over HTTP on a free port, and
-    an httpx client for it; keyword arguments override [http] keys, `sandbox` [sandbox] keys."""
+    """An engine serving `programs` ({prefix: wasm}), `routes` and the routes `engine_routes`
+    makes for the engine over HTTP on a free port, and an httpx client for it; keyword arguments
+    override [http] keys, `sandbox` [sandbox] keys."""
     import httpx
 
     sandbox = {"cache_dir": str(components), **(sandbox or {})}
@@ -106,6 +108,7 @@ async def http_front(
             for p, w in programs.items()
         }
         http_config = with_overrides(config, http={"port": 0, **http}).http
+        routes += engine_routes(engine)
         front = HttpFront(
             engine, http_config, Mounts(mounts), host="127.0.0.1", users=users, routes=routes
         )

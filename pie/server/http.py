@@ -21,6 +21,7 @@ from pie.actors.requester import InferletRun, Requester, RequestRefused
 from pie.config import HttpConfig
 from pie.events import inferlet as ev
 from pie.sandbox.host.serving import is_final_status
+from pie.server.connections import contain_connection_failures
 from pie.server.mounts import OPENAI_PREFIX, Mounts
 from pie.server.routes import Route, bearer_tokens, find_route
 
@@ -118,6 +119,7 @@ class HttpFront:
         ]
         settings.accesslog = None
         settings.graceful_timeout = self.shutdown_seconds
+        contain_connection_failures()
         async with self.engine.requester("http-front") as requester, trio.open_nursery() as nursery:
             self._requester = requester
             binds = await nursery.start(self._serve, settings)

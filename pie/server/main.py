@@ -20,6 +20,7 @@ from pie.engine import Engine, open_engine, with_snapshots_dir
 from pie.engine.heap import settle_heap
 from pie.server.app import Server
 from pie.server.dashboard import Dashboard
+from pie.server.discovery import discovery_routes
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts, prepare_mounts
 from pie.server.observe.metrics import EngineMetrics
@@ -108,8 +109,9 @@ async def _start_http(
     nursery: trio.Nursery,
     sockets: list[socket.socket],
 ) -> HttpFront | None:
-    """The HTTP front with its programs and the metrics routes; without [http] port, a front
-    serving only those routes on [metrics] port; None when neither is set."""
+    """The HTTP front with its programs, the metrics routes and the pages a router in front of
+    several nodes reads (discovery.py); without [http] port, a front serving only the metrics
+    routes on [metrics] port; None when neither is set."""
     http = config.http
     if http.port >= 0:
         mounts = await trio.to_thread.run_sync(prepare_mounts, engine, http)
@@ -121,6 +123,7 @@ async def _start_http(
     metrics.watch_server(server)
     routes = probe_routes(metrics, server_readiness(server), public_metrics=config.metrics.public)
     if config.http.port >= 0:
+        routes += discovery_routes([stack.name for stack in engine.models])
         routes += _dashboard_routes(engine, config, server)
     front = HttpFront(
         engine,

@@ -61,6 +61,18 @@ async def refuse(
     await respond(send, status, json.dumps({"error": error}).encode(), "application/json", headers)
 
 
+async def refused_unless_get(scope: Scope, send: Send, path: str) -> bool:
+    """Answers what is not a GET of exactly `path` (404, 405); True when it did."""
+    if scope["path"] != path:
+        await refuse(send, 404, f"nothing is served at {scope['path']}", "not_found")
+        return True
+    if scope["method"] != "GET":
+        message = f"{path} answers GET only"
+        await refuse(send, 405, message, "method_not_allowed", [(b"allow", b"GET")])
+        return True
+    return False
+
+
 def bearer_tokens(scope: Scope) -> Iterator[tuple[str, str]]:
     """(user, token) of each `Authorization: Bearer USER:TOKEN` header of the request."""
     for name, value in scope["headers"]:

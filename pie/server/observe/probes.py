@@ -11,7 +11,7 @@ from attrs import frozen
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from pie.server.observe.metrics import EngineMetrics
-from pie.server.routes import Receive, Route, Scope, Send, refuse, respond
+from pie.server.routes import Receive, Route, Scope, Send, refused_unless_get, respond
 
 if TYPE_CHECKING:
     from pie.server.app import Server
@@ -50,17 +50,17 @@ def probe_routes(
     """/metrics (behind the server's auth unless `public_metrics`), /health and /ready."""
 
     async def serve_metrics(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
-        if await _refused(scope, send, "/metrics"):
+        if await refused_unless_get(scope, send, "/metrics"):
             return
         await respond(send, 200, metrics.scrape(), CONTENT_TYPE_PLAIN_0_0_4)
 
     async def health(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
-        if await _refused(scope, send, "/health"):
+        if await refused_unless_get(scope, send, "/health"):
             return
         await respond(send, 200, json.dumps({"status": "ok"}).encode(), JSON)
 
     async def ready(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
-        if await _refused(scope, send, "/ready"):
+        if await refused_unless_get(scope, send, "/ready"):
             return
         unready = readiness()
         if unready is None:
@@ -74,15 +74,3 @@ def probe_routes(
         Route(prefix="/health", handler=health, public=True),
         Route(prefix="/ready", handler=ready, public=True),
     )
-
-
-async def _refused(scope: Scope, send: Send, path: str) -> bool:
-    """Answers what is not a GET of exactly `path` (405, 404); True when it did."""
-    if scope["path"] != path:
-        await refuse(send, 404, f"nothing is served at {scope['path']}", "not_found")
-        return True
-    if scope["method"] != "GET":
-        message = f"{path} answers GET only"
-        await refuse(send, 405, message, "method_not_allowed", [(b"allow", b"GET")])
-        return True
-    return False

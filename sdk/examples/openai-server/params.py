@@ -38,6 +38,14 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "store": (False,),
     "best_of": (1,),
     "suffix": ("",),
+    # SGLang's own fields, which the SGLang router (sglang-router 0.3.2) writes with these values
+    # into every request it forwards, whatever the client sent.
+    "no_stop_trim": (False,),
+    "continue_final_message": (False,),
+    "skip_special_tokens": (True,),
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
+    "return_hidden_states": (False,),
 }
 """Fields not supported yet, accepted only with the value that asks for the default behaviour."""
 
