@@ -76,6 +76,14 @@ class ClusterConfig:
     """Nodes a cluster may hold: one more is refused when it joins, and `pie cluster status`
     reads no more than this many."""
 
+    bus_poll_seconds: float = field(default=1.0, validator=positive)
+    """How often a node looks in Redis for messages on the queues its pulls wait on, besides
+    being told of each push on the stream (a Redis restart may lose that word)."""
+
+    bus_stream_entries: int = field(default=1024, validator=at_least(16))
+    """About how many entries the bus's Redis stream keeps (each push's queue name, each
+    published message whole): a node more than this many behind misses the oldest."""
+
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:
             raise ValueError(

@@ -5,6 +5,7 @@ gracefully, a second at once)."""
 
 from __future__ import annotations
 
+import secrets
 import signal
 import socket
 import sys
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import attrs
 import trio
 
+from pie.actors.runtime import Actor, Router
 from pie.config import EngineConfig
 from pie.engine import Engine, open_engine, with_snapshots_dir
 from pie.engine.heap import settle_heap
@@ -35,6 +37,10 @@ async def serve(
     ports: BoundPorts | None = None,
 ) -> None:
     """Serves until a signal; binds its ports first (unless given them bound)."""
+    if config.cluster.redis and not config.cluster.node_id:
+        # Named before the engine starts, so that its bus and its registration agree.
+        cluster = attrs.evolve(config.cluster, node_id=f"node-{secrets.token_hex(4)}")
+        config = attrs.evolve(config, cluster=cluster)
     if ports is None:
         ports = bind_ports(config)
     try:
@@ -54,7 +60,7 @@ async def _serve(
     announce: Callable[[Server], None] | None,
     announce_http: Callable[[HttpFront], None] | None,
 ) -> None:
-    async with open_engine(with_snapshots_dir(config)) as engine:
+    async with open_engine(with_snapshots_dir(config), bus=_bus(config)) as engine:
         server = Server(engine, config.server, sockets=ports.websocket)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
@@ -75,6 +81,17 @@ async def _serve(
                     with trio.move_on_after(server.config.shutdown_seconds):
                         await front.wait_idle()
                 nursery.cancel_scope.cancel()
+
+
+def _bus(config: EngineConfig) -> Callable[[Router], Actor] | None:
+    """A clustered node's bus, which shares its queues and topics through Redis."""
+    if not config.cluster.redis:
+        return None
+    from pie.actors.bus import BusLimits
+    from pie.cluster.bus import cluster_bus
+
+    limits = BusLimits.from_config(config.bus)
+    return cluster_bus(config.cluster, limits, config.cluster.node_id)
 
 
 async def _start_http(
