@@ -5,7 +5,8 @@ holds lives in Redis and is gone from it once pulled. Synthetic driver throughou
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import trio
 
 from pie.actors.bus import BusCore, BusLimits
 from pie.actors.requester import Requester, RequestRefused
+from pie.client import connect
 from pie.cluster.bus import cluster_bus
 from pie.cluster.store import open_store
 from pie.config import ClusterConfig
@@ -20,7 +22,11 @@ from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.events import bus as ev
 from pie.events.kv import RequestFailed
+from tests.inferlet_fixtures import GUESTS
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
+from tests.model_fixtures import default_model_dir  # noqa: F401  (fixture)
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401
+from tests.server_fixtures import serving
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +59,48 @@ def local_refusal(core: BusCore, make: Any, **fields: Any) -> tuple[str, str]:
     (_, reply), *_ = core.handle(make(corr=1, requester="r", **fields))
     assert isinstance(reply, RequestFailed), reply
     return reply.kind, reply.message
+
+
+@pytest.fixture(scope="module")
+def switchboard(built: Callable[[Path], Path], default_model_dir: Path) -> bytes:  # noqa: F811
+    return built(GUESTS / "switchboard").read_bytes()
+
+
+async def test_an_inferlet_on_one_node_works_through_jobs_a_client_pushes_on_another(
+    tmp_path: Path,
+    switchboard: bytes,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Through the servers: the client's pushes on node a are charged to its user there, the
+    worker on node b pulls them in order and broadcasts each, and a watcher on a hears them."""
+    config = ClusterConfig(redis=redis_server.url, bus_poll_seconds=0.2)
+    limits = BusLimits()
+    node_a, node_b = tmp_path / "a", tmp_path / "b"
+    node_a.mkdir(), node_b.mkdir()
+    with trio.fail_after(90):
+        async with (
+            serving(node_a, bus=cluster_bus(config, limits, "node-a")) as a,
+            serving(node_b, bus=cluster_bus(config, limits, "node-b")) as b,
+            connect(a.url) as on_a,
+            connect(b.url) as on_b,
+        ):
+            b.engine.programs.add(switchboard, "switchboard")
+            watch = await on_a.watch("done")
+            worker = await on_b.launch(
+                "switchboard", {"mode": "work", "queue": "jobs", "topic": "done"}
+            )
+            for job in ("wash", "dry", "fold", "stop"):
+                await on_a.push("jobs", job)
+            outcome = await worker.result()
+            answers = [await watch.next() for _ in range(3)]
+            await watch.stop()
+    assert outcome.ok and outcome.result == "3"
+    sender = f"inferlet:{worker.instance}@node-b"
+    assert [(m.sender, m.message) for m in answers if m] == [
+        (sender, "WASH"),
+        (sender, "DRY"),
+        (sender, "FOLD"),
+    ]
 
 
 async def test_messages_pushed_on_one_node_are_pulled_on_the_other_in_order(
