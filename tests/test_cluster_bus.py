@@ -215,6 +215,23 @@ async def test_an_oversized_message_is_refused_as_the_local_bus_refuses_it(
                     assert await refusal(sender, make, **fields) == expected
 
 
+async def test_a_name_longer_than_the_cluster_keeps_is_refused_invalid(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    long = "n" * 1025
+    with trio.fail_after(30):
+        async with node(redis_server.url, "node-a") as a, a.requester() as sender:
+            for make, fields in (
+                (ev.Push, {"queue": long, "message": "m"}),
+                (ev.Publish, {"topic": long, "message": "m"}),
+            ):
+                kind, message = await refusal(sender, make, **fields)
+                assert kind == "invalid"
+                assert "name is 1025 bytes of UTF-8" in message
+                assert "cluster.bus_max_name_bytes" in message
+            await sender.push("n" * 1024, "the longest name is fine")
+
+
 async def test_a_full_queue_refuses_with_the_local_overrun_on_either_node(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:

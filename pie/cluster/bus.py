@@ -91,7 +91,7 @@ class ClusterBus(Actor):
 
     async def _push(self, event: ev.Push) -> tuple[str, str] | None:
         size = message_size(event.message)
-        refusal = too_large(size, self.limits.max_message_bytes)
+        refusal = too_large(size, self.limits.max_message_bytes) or self._long("queue", event.queue)
         if refusal is not None:
             return refusal
         user = event.user or event.requester
@@ -109,6 +109,7 @@ class ClusterBus(Actor):
 
     async def _publish(self, event: ev.Publish) -> tuple[str, str] | None:
         refusal = too_large(message_size(event.message), self.limits.max_message_bytes)
+        refusal = refusal or self._long("topic", event.topic)
         if refusal is not None:
             return refusal
         assert self._queues is not None
@@ -116,6 +117,16 @@ class ClusterBus(Actor):
             await self._queues.publish(self.origin, event.requester, event.topic, event.message)
         except STORE_ERRORS as exc:
             return self._unavailable(exc)
+        return None
+
+    def _long(self, kind: str, name: str) -> tuple[str, str] | None:
+        """A name Redis would keep (in a key and on the stream) is bounded."""
+        size, most = message_size(name), self.config.bus_max_name_bytes
+        if size > most:
+            return "invalid", (
+                f"the {kind} name is {size} bytes of UTF-8; a cluster's bus takes at most {most} "
+                f"(cluster.bus_max_name_bytes)"
+            )
         return None
 
     def _reply(self, event: Any, refusal: tuple[str, str] | None) -> None:
@@ -132,18 +143,20 @@ class ClusterBus(Actor):
 
     # -- deliveries ------------------------------------------------------------------------
 
-    async def _serve(self, queue: str) -> None:
-        """Hands the queue's oldest messages in Redis to this node's waiting pulls, in order.
-        Callers hold the lock, so no pull leaves between taking a message and handing it."""
+    async def _serve(self, queue: str) -> bool:
+        """Hands the queue's oldest messages in Redis to this node's waiting pulls, in order;
+        False when Redis did not answer (the sweep tries again). Callers hold the lock, so no
+        pull leaves between taking a message and handing it."""
         assert self._queues is not None
         while self.core.waiting(queue):
             try:
                 message = await self._queues.pop(queue)
             except STORE_ERRORS:
-                return  # the sweep tries again
+                return False
             if message is None:
-                return
+                break
             self._hand_over(queue, message)
+        return True
 
     def _hand_over(self, queue: str, message: str) -> None:
         push = ev.Push(corr=0, requester=HERE, queue=queue, message=message)
@@ -193,7 +206,8 @@ class ClusterBus(Actor):
             await trio.sleep(self.config.bus_poll_seconds)
             async with self._lock:
                 for queue in self.core.waited_queues():
-                    await self._serve(queue)
+                    if not await self._serve(queue):
+                        break  # Redis is away: the bus's commands should not wait on each queue
 
 
 def _from(message: Any, sender: str) -> Any:

@@ -84,6 +84,10 @@ class ClusterConfig:
     """About how many entries the bus's Redis stream keeps (each push's queue name, each
     published message whole): a node more than this many behind misses the oldest."""
 
+    bus_max_name_bytes: int = field(default=1024, validator=at_least(1))
+    """The longest queue or topic name (UTF-8) a push or broadcast may use on a cluster's bus,
+    which keeps names in Redis."""
+
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:
             raise ValueError(
