@@ -55,12 +55,14 @@ async def serving(
     config: EngineConfig | None = None,
     users: Any = None,
     shared_programs: Any = None,
+    bus: Any = None,
     **server: Any,
 ) -> AsyncIterator[Server]:
     """Yields the running Server (`.url`, `.engine`); stops it gracefully on exit.
 
     Keyword arguments override [server] keys; without `config`, compiled components are cached
-    in pytest's cache folder, as the other inferlet tests do.
+    in pytest's cache folder, as the other inferlet tests do. `bus` is open_engine's (a
+    clustered node's bus).
     """
     tokenizer = tokenizer or default_tokenizer()
     components = PYTEST_CACHE / "pie-components"
@@ -70,7 +72,7 @@ async def serving(
     config = with_overrides(
         config, server={"host": "127.0.0.1", "port": 0, "programs_dir": programs, **server}
     )
-    async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
+    async with open_engine(config, driver=driver, tokenizer=tokenizer, bus=bus) as engine:
         server_ = Server(engine, config.server, users=users, shared_programs=shared_programs)
         async with trio.open_nursery() as nursery:
             await nursery.start(server_.run)

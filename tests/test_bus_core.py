@@ -407,3 +407,15 @@ def test_a_requester_waits_on_at_most_a_thousand_and_twenty_four_pulls_by_defaul
     for n in range(1024):
         assert bus.send(ev.Pull, "c", queue=f"q{n % 3}") == []
     assert refusal(bus.send(ev.Pull, "c", queue="q0"), "c").kind == "overrun"
+
+
+def test_the_core_says_which_queues_pulls_wait_on_and_how_many() -> None:
+    bus = Bus()
+    bus.send(ev.Pull, "first", queue="q")
+    bus.send(ev.Pull, "second", queue="q")
+    bus.send(ev.Pull, "third", queue="r")
+    assert (bus.core.waiting("q"), bus.core.waiting("r"), bus.core.waiting("s")) == (2, 1, 0)
+    assert sorted(bus.core.waited_queues()) == ["q", "r"]
+    bus.push("r", "served")
+    bus.send(ev.LeaveBus, "first")
+    assert bus.core.waiting("q") == 1 and bus.core.waited_queues() == ["q"]

@@ -87,6 +87,18 @@ class ClusterConfig:
     """How often a node asks Redis whether the users changed (a revocation reaches every node
     within about this long)."""
 
+    bus_poll_seconds: float = field(default=1.0, validator=positive)
+    """How often a node looks in Redis for messages on the queues its pulls wait on, besides
+    being told of each push on the stream (a Redis restart may lose that word)."""
+
+    bus_stream_entries: int = field(default=1024, validator=at_least(16))
+    """About how many entries the bus's Redis stream keeps (each push's queue name, each
+    published message whole): a node more than this many behind misses the oldest."""
+
+    bus_max_name_bytes: int = field(default=1024, validator=at_least(1))
+    """The longest queue or topic name (UTF-8) a push or broadcast may use on a cluster's bus,
+    which keeps names in Redis."""
+
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:
             raise ValueError(

@@ -20,7 +20,7 @@ from pie.actors.inferlet.recording import recording_limits
 from pie.actors.kv import KvStatistics
 from pie.actors.mcp import McpActor, McpStatistics
 from pie.actors.requester import InferletOutcome, Requester, correlation_ids
-from pie.actors.runtime import CoreActor, MailboxStatistics, Router
+from pie.actors.runtime import Actor, CoreActor, MailboxStatistics, Router
 from pie.config import (
     EngineConfig,
     default_cache_dir,
@@ -86,6 +86,7 @@ class Engine:
         config: EngineConfig,
         served: Sequence[tuple[Driver, Any]],
         nursery: trio.Nursery,
+        bus: Callable[[Router], Actor] | None = None,
     ) -> None:
         if not served:
             raise ValueError("an engine serves at least one model")
@@ -134,7 +135,12 @@ class Engine:
         if self.tracing is not None:
             for stack in self.models:
                 stack.inference.observe_passes(self.tracing.record_pass(stack.name))
-        self.bus = CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
+        # A clustered node brings its own bus (pie/cluster/bus.py); the local one is a pure core.
+        self.bus: Any = (
+            bus(self.router)
+            if bus is not None
+            else CoreActor(BusCore(BusLimits.from_config(config.bus)), "bus", self.router)
+        )
         self.http = HttpActor(
             fetcher(config.network, self.tracing), self.router, fetch_quota(config.network)
         )
@@ -309,12 +315,14 @@ async def open_engine(
     tokenizer: Any = None,
     served: Sequence[tuple[Driver, Any]] = (),
     drain_seconds: float = 30.0,
+    bus: Callable[[Router], Actor] | None = None,
 ) -> AsyncIterator[Engine]:
     """Starts every actor in one nursery and stops them gracefully on exit.
 
     Without `driver`, the configured models ([model] or [[models]]) are loaded (off the Trio
     thread), each into the driver `[driver] backend` picks; `served` gives several (driver,
-    tokenizer) pairs instead, the first the default model.
+    tokenizer) pairs instead, the first the default model. `bus` builds the actor at `bus`
+    in place of the local bus (a clustered node's).
     """
     config = config or EngineConfig()
     if served:
@@ -331,7 +339,7 @@ async def open_engine(
         served = await trio.to_thread.run_sync(build_drivers, config)
     try:
         async with trio.open_nursery() as nursery:
-            engine = Engine(config, served, nursery)
+            engine = Engine(config, served, nursery, bus)
             await engine._start()
             try:
                 yield engine

@@ -6,6 +6,7 @@ gracefully, a second at once)."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 import signal
 import socket
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import attrs
 import trio
 
+from pie.actors.runtime import Actor, Router
 from pie.config import EngineConfig
 from pie.engine import Engine, open_engine, with_snapshots_dir
 from pie.engine.heap import settle_heap
@@ -38,6 +40,10 @@ async def serve(
     ports: BoundPorts | None = None,
 ) -> None:
     """Serves until a signal; binds its ports first (unless given them bound)."""
+    if config.cluster.redis and not config.cluster.node_id:
+        # Named before the engine starts, so that its bus and its registration agree.
+        cluster = attrs.evolve(config.cluster, node_id=f"node-{secrets.token_hex(4)}")
+        config = attrs.evolve(config, cluster=cluster)
     if ports is None:
         ports = bind_ports(config)
     try:
@@ -57,7 +63,10 @@ async def _serve(
     announce: Callable[[Server], None] | None,
     announce_http: Callable[[HttpFront], None] | None,
 ) -> None:
-    async with open_engine(with_snapshots_dir(config)) as engine, _shared(config) as shared:
+    async with (
+        open_engine(with_snapshots_dir(config), bus=_bus(config)) as engine,
+        _shared(config) as shared,
+    ):
         server = Server(
             engine,
             config.server,
@@ -100,6 +109,17 @@ async def _shared(config: EngineConfig) -> AsyncIterator[Any]:
 
     async with open_shared_state(config.cluster) as shared:
         yield shared
+
+
+def _bus(config: EngineConfig) -> Callable[[Router], Actor] | None:
+    """A clustered node's bus, which shares its queues and topics through Redis."""
+    if not config.cluster.redis:
+        return None
+    from pie.actors.bus import BusLimits
+    from pie.cluster.bus import cluster_bus
+
+    limits = BusLimits.from_config(config.bus)
+    return cluster_bus(config.cluster, limits, config.cluster.node_id)
 
 
 async def _start_http(

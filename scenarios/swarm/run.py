@@ -5,6 +5,7 @@ watches the pipeline's topics as they go and gets the editor's answer back."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import sys
 import time
@@ -29,24 +30,76 @@ AUTHOR = {"plan": "planner", "drafts": "writer", "critique": "critic", "answer":
 SETTLE_SECONDS = 10.0
 
 
-def run(url: str, cache_dir: Path | None = None) -> dict[str, Any]:
+ELSEWHERE = (1, 2, 3, 4)
+"""With a second node: the agents launched there (the writers and the critic), by their place
+in the pipeline's roles (planner, writers, critic, editor)."""
+
+
+def run(url: str, cache_dir: Path | None = None, elsewhere: str | None = None) -> dict[str, Any]:
     """The swarm against the server at `url`; `cache_dir` holds built inferlets (default:
-    $PIE_CACHE_DIR/inferlets)."""
-    return trio.run(_run, url, cache_dir)
+    $PIE_CACHE_DIR/inferlets). With `elsewhere`, another node of the same cluster, the writers
+    and the critic run there, launched by the client, and talk to the rest over the cluster's
+    bus."""
+    return trio.run(_run, url, cache_dir, elsewhere)
 
 
-async def _run(url: str, cache_dir: Path | None) -> dict[str, Any]:
-    # Topic and queue names are engine-wide: a fresh prefix keeps runs apart.
+async def _run(url: str, cache_dir: Path | None, elsewhere: str | None) -> dict[str, Any]:
+    # Topic and queue names are engine-wide (cluster-wide): a fresh prefix keeps runs apart.
     prefix = f"swarm-{secrets.token_hex(4)}"
     async with connect(url) as client:
         agent = await install(client, AGENT, cache_dir)
         coordinator = await install(client, COORDINATOR, cache_dir)
         request = {"run": prefix, "task": TASK, "angles": list(ANGLES), "agent": agent}
         started = time.perf_counter()
-        seen, outcome = await watched_run(client, coordinator, request)
+        if elsewhere is None:
+            seen, outcome = await watched_run(client, coordinator, request)
+            remote: list[dict[str, Any]] = []
+        else:
+            request["elsewhere"] = list(ELSEWHERE)
+            seen, outcome, remote = await split_run(
+                client, elsewhere, coordinator, request, cache_dir
+            )
         seconds = time.perf_counter() - started
     result = json.loads(outcome.result) if outcome.ok and outcome.result else {}
+    if remote:
+        result["agents"] = merged(result.get("agents", []), remote)
     return report(prefix, seen, outcome, result, seconds)
+
+
+def roles() -> list[dict[str, Any]]:
+    """The pipeline's agents, in the coordinator's order."""
+    writers = [{"role": "writer", "angle": angle} for angle in ANGLES]
+    return [{"role": "planner"}, *writers, {"role": "critic"}, {"role": "editor"}]
+
+
+async def split_run(
+    client: Client,
+    elsewhere: str,
+    coordinator: str,
+    request: dict[str, Any],
+    cache_dir: Path | None,
+) -> tuple[list[dict[str, Any]], Any, list[dict[str, Any]]]:
+    """`watched_run` with the ELSEWHERE agents launched on the node at `elsewhere`; also what
+    those agents returned, each marked `remote`."""
+    common = {"run": request["run"], "writers": len(ANGLES)}
+    async with connect(elsewhere) as other:
+        await install(other, AGENT, cache_dir)
+        specs = [roles()[index] for index in ELSEWHERE]
+        runs = [await other.launch(request["agent"], {**common, **spec}) for spec in specs]
+        seen, outcome = await watched_run(client, coordinator, request)
+        remote = []
+        for spec, launched in zip(specs, runs, strict=True):
+            ended = await launched.result()
+            if not ended.ok or not ended.result:
+                raise RuntimeError(f"the {spec['role']} elsewhere ended {ended.status}")
+            remote.append({**json.loads(ended.result), "remote": True})
+    return seen, outcome, remote
+
+
+def merged(local: list[dict[str, Any]], remote: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Both nodes' agent reports in the pipeline's order."""
+    order = [(spec["role"], spec.get("angle")) for spec in roles()]
+    return sorted(local + remote, key=lambda a: order.index((a["role"], a["angle"])))
 
 
 async def watched_run(
@@ -128,13 +181,22 @@ def heard_upstream(agent: dict[str, Any]) -> bool:
 
 
 def watched_all(seen: list[dict[str, Any]], agents: list[dict[str, Any]]) -> bool:
-    """One message per agent, on its role's topic, sent from that agent's own bus address."""
-    addresses = {(a["role"], a["angle"]): f"inferlet:{a['instance']}" for a in agents}
-    authors = [
-        addresses.get((AUTHOR[message["stage"]], message.get("angle"))) == message["sender"]
-        for message in seen
-    ]
+    """One message per agent, on its role's topic, sent from that agent's own bus address (on
+    another node, qualified with that node's id: `inferlet:ID@NODE`)."""
+    addresses = {(a["role"], a["angle"]): sender_of(a) for a in agents}
+    authors = [sent_by_author(message, addresses) for message in seen]
     return len(seen) == len(agents) > 0 and all(authors)
+
+
+def sent_by_author(message: dict[str, Any], addresses: dict[Any, str]) -> bool:
+    pattern = addresses.get((AUTHOR[message["stage"]], message.get("angle")))
+    return pattern is not None and re.fullmatch(pattern, message["sender"]) is not None
+
+
+def sender_of(agent: dict[str, Any]) -> str:
+    """The pattern of the agent's sender address as a watcher on the first node sees it."""
+    address = re.escape(f"inferlet:{agent['instance']}")
+    return address + "@[A-Za-z0-9_.-]+" if agent.get("remote") else address
 
 
 def summary(report: dict[str, Any]) -> str:

@@ -44,6 +44,29 @@ class BusLimits:
         )
 
 
+def too_large(size: int, limit: int) -> tuple[str, str] | None:
+    """The refusal (kind, message) of a message of `size` bytes over `limit`, else None."""
+    if size > limit:
+        return "too-large", f"the message is {size} bytes of UTF-8; the bus takes {limit}"
+    return None
+
+
+def park_refusal(
+    limits: BusLimits, queue: str, user: str, reason: str, held: int
+) -> tuple[str, str]:
+    """The refusal (kind, message) of a message a queue cannot keep: `reason` is `full` (the
+    queue holds `held` messages), `bytes` (it holds `held` bytes) or `quota` (`user` has `held`
+    bytes waiting)."""
+    if reason == "full":
+        return "overrun", f"queue {queue!r} is full ({limits.max_queue_messages} messages)"
+    if reason == "bytes":
+        return "overrun", f"queue {queue!r} is full ({held} of {limits.max_queue_bytes} bytes)"
+    return "quota", (
+        f"user {user!r} already has {held} bytes of messages waiting on the bus; "
+        f"at most {limits.max_user_bytes} until some are pulled"
+    )
+
+
 @frozen(kw_only=True)
 class BusStatistics:
     queues: int
@@ -98,6 +121,14 @@ class BusCore:
                 return [(event.requester, Done(corr=event.corr))]
         raise TypeError(f"bus got an unexpected event {type(event).__name__}")
 
+    def waiting(self, queue: str) -> int:
+        """Pulls waiting on `queue` (a bus whose messages live elsewhere serves them)."""
+        return len(self._pullers.get(queue, ()))
+
+    def waited_queues(self) -> list[str]:
+        """The queues some pull waits on."""
+        return list(self._pullers)
+
     def names(self) -> int:
         """Queue and topic names the bus holds anything for (its name tables' total size)."""
         return len(self._queues) + len(self._pullers) + len(self._topics)
@@ -116,10 +147,7 @@ class BusCore:
         return [(event.requester, Done(corr=event.corr))]
 
     def _too_large(self, size: int) -> tuple[str, str] | None:
-        limit = self.limits.max_message_bytes
-        if size > limit:
-            return "too-large", f"the message is {size} bytes of UTF-8; the bus takes {limit}"
-        return None
+        return too_large(size, self.limits.max_message_bytes)
 
     def _hand_over(self, event: ev.Push, waiting: collections.deque[tuple[str, int]]) -> Output:
         puller, corr = waiting.popleft()
@@ -135,18 +163,13 @@ class BusCore:
         queue = self._queues.get(event.queue)
         held = (len(queue.messages), queue.bytes) if queue is not None else (0, 0)
         if held[0] >= limits.max_queue_messages:
-            full = f"{limits.max_queue_messages} messages"
-            return "overrun", f"queue {event.queue!r} is full ({full})"
+            return park_refusal(limits, event.queue, "", "full", held[0])
         if held[1] + charge > limits.max_queue_bytes:
-            full = f"{held[1]} of {limits.max_queue_bytes} bytes"
-            return "overrun", f"queue {event.queue!r} is full ({full})"
+            return park_refusal(limits, event.queue, "", "bytes", held[1])
         user = event.user or event.requester
         owned = self._user_bytes.get(user, 0)
         if owned + charge > limits.max_user_bytes:
-            return "quota", (
-                f"user {user!r} already has {owned} bytes of messages waiting on the bus; "
-                f"at most {limits.max_user_bytes} until some are pulled"
-            )
+            return park_refusal(limits, event.queue, user, "quota", owned)
         if queue is None:
             queue = self._queues[event.queue] = _Queue(collections.deque())
         queue.messages.append((event.message, user, charge))

@@ -17,12 +17,18 @@ async def main(input: dict[str, Any]) -> str:
     roles += [{"role": "writer", "angle": angle} for angle in angles]
     roles += [{"role": "critic"}, {"role": "editor"}]
     common = {"run": run, "writers": len(angles)}
+    # Agents someone else launches (on another node of a cluster): by their place in `roles`.
+    elsewhere = set(input.get("elsewhere", ()))
     # Subscribed before any agent starts, so the answer cannot be broadcast unheard.
     answers = messaging.subscribe(f"{run}/answer")
-    agents = [(spec["role"], runtime.launch(input["agent"], {**common, **spec})) for spec in roles]
+    agents = [
+        (spec["role"], runtime.launch(input["agent"], {**common, **spec}))
+        for index, spec in enumerate(roles)
+        if index not in elsewhere
+    ]
 
     async def pipeline() -> str:
-        for _ in agents:
+        for _ in roles:
             await messaging.pull(f"{run}/ready")
         messaging.push(f"{run}/task", input["task"])
         return json.loads(await answers.next())["text"]
