@@ -73,7 +73,6 @@ ALLOWED = {
         "pie.wire",
     },
     "pie.client": {"pie.events", "pie.wire"},
-    "pie.cluster": set(),
 }
 """Which of pie's packages each package may import (itself always). `pie.cli` may import
 anything and is imported by nothing."""
