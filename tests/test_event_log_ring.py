@@ -48,3 +48,12 @@ def test_an_event_that_is_not_an_attrs_class_is_kept_as_it_is() -> None:
     log = EventLog()
     log.append("a", "b", ("plain", 1))
     assert log.records()[0].event == ("plain", 1)
+
+
+def test_rows_of_other_kinds_are_passed_over() -> None:
+    log = EventLog()
+    log.append("a", "b", ("plain", 1))
+    log.append("inference", "kv", _pass(7))
+    rows = log.rows_after(0, (LanePassesApplied,))
+    assert [(row[0], row[5]) for row in rows] == [(2, _pass(7))]
+    assert log.oldest_held == 1

@@ -14,7 +14,7 @@ from typing import IO, Any
 from attrs import frozen
 
 from pie.eventlog.clip import clip
-from pie.eventlog.packed import pack, unpack
+from pie.eventlog.packed import pack, packed_kind, unpack
 from pie.eventlog.records import Envelope, Gap, Row
 from pie.eventlog.writer import FileWriter, WriterStatistics
 
@@ -118,16 +118,23 @@ class EventLog:
         """The envelopes in the ring, oldest first."""
         return [Envelope.from_row(_unpacked(row)) for row in self._ring]
 
-    def rows_after(self, seq: int) -> list[Row]:
+    def rows_after(self, seq: int, kinds: tuple[type, ...] | None = None) -> list[Row]:
         """The rows the ring holds that were appended after `seq`, oldest first (the ring is
-        walked from its end, so only those are touched)."""
+        walked from its end, so only those are touched); with `kinds`, only those whose event
+        is one of them (the others are passed over without being unpacked)."""
         rows: list[Row] = []
         for row in reversed(self._ring):
             if row[0] <= seq:
                 break
-            rows.append(_unpacked(row))
+            if kinds is None or packed_kind(row[5]) in kinds:
+                rows.append(_unpacked(row))
         rows.reverse()
         return rows
+
+    @property
+    def oldest_held(self) -> int:
+        """The seq of the oldest envelope the ring holds (`next_seq` when it holds none)."""
+        return self._ring[0][0] if self._ring else self.next_seq
 
     def __len__(self) -> int:
         return len(self._ring)

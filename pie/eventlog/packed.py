@@ -39,6 +39,13 @@ def pack(event: Any) -> Any:
     return packer(event)
 
 
+def packed_kind(packed: Any) -> type:
+    """The class of the event `packed` holds, read without unpacking it."""
+    if isinstance(packed, Loose):
+        return type(packed.value)
+    return _CLASSES[packed[0]]
+
+
 def unpack(packed: Any) -> Any:
     if isinstance(packed, Loose):
         return packed.value

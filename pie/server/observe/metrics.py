@@ -103,7 +103,7 @@ class EngineMetrics:
 
     def _fold(self) -> None:
         if self._tail is not None:
-            self._tokens.fold(self._tail.take())
+            self._tokens.fold(self._tail.take(TokenTimes.KINDS))
 
     def _observer(self, model: str) -> PassObserver:
         passes, batches = self._passes.labels(model), self._batches.labels(model)

@@ -66,6 +66,15 @@ class TokenTimes:
         self._contexts: dict[str, set[int]] = {}
         """Instance address -> the contexts it was sent tokens on (forgotten when it ends)."""
 
+    KINDS = (
+        LaunchInferlet,
+        InferletLaunched,
+        ForwardCompleted,
+        LanePassesApplied,
+        InferletFinished,
+    )
+    """The events `fold` reads."""
+
     def fold(self, rows: Iterable[Row]) -> None:
         """Takes in the log's rows (in order, each once)."""
         for _, when, src, dst, _, event in rows:
@@ -134,10 +143,10 @@ class LogTail:
         """Rows gone from the ring before they were read (its `ring_size` was too small for
         the time between two reads)."""
 
-    def take(self) -> list[Row]:
-        """The rows appended since the last call that the ring still holds, oldest first."""
-        rows = self.log.rows_after(self._read)
-        first = rows[0][0] if rows else self.log.statistics().appended + 1
-        self.missed += max(0, first - self._read - 1)
-        self._read = first + len(rows) - 1
+    def take(self, kinds: tuple[type, ...] | None = None) -> list[Row]:
+        """The rows appended since the last call that the ring still holds, oldest first; with
+        `kinds`, only those whose event is one of them."""
+        self.missed += max(0, self.log.oldest_held - self._read - 1)
+        rows = self.log.rows_after(self._read, kinds)
+        self._read = self.log.next_seq - 1
         return rows
