@@ -42,8 +42,12 @@ class SyntheticDriver:
         num_pages: int = 4096,
         max_batch_tokens: int = 512,
         max_batch_requests: int = 64,
+        keep_batches: bool = True,
     ) -> None:
         self.pass_seconds = pass_seconds
+        self.keep_batches = keep_batches
+        """Whether `batches` keeps every pass's batch (tests read them; a benchmark's growing
+        list would be walked by every full collection)."""
         self.info = DriverInfo(
             model_name="synthetic",
             vocab_size=vocab_size,
@@ -66,7 +70,8 @@ class SyntheticDriver:
             _biases(b, p, vocab) if b or p is not None else None
             for b, p in zip(batch.logit_biases, batch.penalties, strict=True)
         ]
-        self.batches.append(batch)
+        if self.keep_batches:
+            self.batches.append(batch)
         outputs = [
             self._read(batch.token_ids[t], op, allowed[r], biases[r])
             for r, t, op in zip(batch.slot_requests, batch.slot_tokens, batch.slot_ops, strict=True)

@@ -16,3 +16,12 @@ def settle_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def release_heap() -> None:
+    """Undoes `settle_heap` once the engine it settled has stopped, in a process that starts
+    engines in turn (a benchmark's repeats): the stopped engine's objects hold cycles, which the
+    permanent generation would keep for good, and each later full pass would walk what they
+    still reach."""
+    gc.unfreeze()
+    gc.collect()

@@ -19,7 +19,7 @@ from pie.cli.bench.inferlets import component_from_source
 from pie.cli.bench.tax import STEP_SOURCE, _driver, _row
 from pie.config import EngineConfig, with_overrides
 from pie.engine import open_engine
-from pie.engine.heap import settle_heap
+from pie.engine.heap import release_heap, settle_heap
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": {"enabled": False},
@@ -67,6 +67,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 log = {k: v.format(folder=folder) if isinstance(v, str) else v
                        for k, v in SETTINGS[name].items()}  # fmt: skip
                 tps = trio.run(one, with_overrides(base, event_log=log))
+                release_heap()  # the next engine starts without this one's frozen cycles
                 rates[name].append(tps)
                 print(f"  {name}, repeat {repeat + 1}: {tps:.1f} tokens/s", file=sys.stderr)
                 Path(folder, "events.jsonl").unlink(missing_ok=True)

@@ -240,6 +240,7 @@ def _driver(args: argparse.Namespace, vocab_size: int) -> _MeteredDriver:
         max_batch_requests=width,
         max_batch_tokens=max(512, 2 * width),
         num_pages=max(4096, pages),
+        keep_batches=False,
     )
     return _MeteredDriver(synthetic)
 
