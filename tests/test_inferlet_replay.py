@@ -8,10 +8,13 @@ tests replay from its log."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
 import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +36,11 @@ from pie.eventlog.inferlet_replay import read_recording
 from pie.events.inferlet import InferletOutcome
 from pie.events.recording import HostCallsRecorded
 from pie.sandbox import GuestStopped, WasmRuntime, callvalues
+from pie.sandbox.callvalues import RecordedRaise
+from pie.sandbox.host import InstanceState
 from pie.sandbox.recording import CHUNK_CALLS, RAW_CALLS, Chunk, Recorder, RecordingBudget
 from pie.sandbox.replaying import Replayer
+from pie.sandbox.runtime import KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
 from tests.inferlet_fixtures import EXAMPLES, GUESTS, REPO
@@ -358,7 +364,7 @@ def _names_any(text: str, names: set[str]) -> bool:
 
 
 @pytest.mark.unit
-def test_calls_are_encoded_when_the_guest_waits_and_at_most_raw_calls_later() -> None:
+def test_calls_are_kept_as_made_and_encoded_together_raw_calls_at_a_time() -> None:
     sent: list[Chunk] = []
     recorder = Recorder(sent.append, max_bytes=1 << 20, budget=RecordingBudget(1 << 20), user="a")
     recorder.add("model.encode", (1, "word"), Ok([5]))
@@ -367,9 +373,75 @@ def test_calls_are_encoded_when_the_guest_waits_and_at_most_raw_calls_later() ->
     assert recorder._pending == ['["model.encode",[1,"word"],{"ok":[5]}]']
     for n in range(RAW_CALLS):
         recorder.add("model.encode", (1, str(n)), Ok([n]))
-    assert len(recorder._pending) == 1 + RAW_CALLS  # a guest that never waits
+    assert len(recorder._pending) == 2 and recorder.calls == 1 + RAW_CALLS  # one piece of 64
     recorder.close()
     assert len(json.loads(sent[-1].calls)) == 1 + RAW_CALLS and sent[-1].final
+
+
+@pytest.mark.unit
+def test_calls_encoded_together_read_as_each_encoded_alone() -> None:
+    media = Record()
+    media.kind, media.frames, media.grid = "image", 1, (2, 3)
+    calls = [
+        ("model.encode", (1, "word"), Ok([5])),
+        ("futures.poll", ([3],), RecordedRaise.of(GuestStopped("timeout", "out of time"))),
+        ("forward.step", (_step_args(),), Ok([Variant("token", 7)])),
+    ]
+    alone = [callvalues.dumps_call(*call) for call in calls]
+    assert callvalues.dumps_calls(calls) == "[" + ",".join(alone) + "]"
+    with_tuple = [*calls, ("media.info", (4,), Ok(media))]  # walked, so that its tuple is tagged
+    together = json.loads(callvalues.dumps_calls(with_tuple))
+    assert together[-1] == ["media.info", [4], {"ok": callvalues.encode(media)}]
+    assert together[-1][2]["ok"]["record"]["grid"] == {"tuple": [2, 3]}
+
+
+def _step_args() -> Record:
+    slot = Record()
+    slot.index, slot.op = 0, Variant("argmax", None)
+    args = Record()
+    args.context, args.tokens, args.slots, args.adapter = 7, [203], [slot], None
+    return args
+
+
+@pytest.mark.unit
+def test_a_cap_inside_calls_encoded_together_cuts_at_the_call_that_crosses_it() -> None:
+    sent: list[Chunk] = []
+    one = len('["model.encode",[1,"0"],{"ok":[0]}]') + 1
+    recorder = Recorder(sent.append, max_bytes=3 * one, budget=RecordingBudget(1 << 20), user="a")
+    for n in range(5):
+        recorder.add("model.encode", (1, str(n)), Ok([n]))
+    recorder.close()
+    assert [c[1][1] for c in json.loads(sent[0].calls)] == ["0", "1", "2"]
+    assert "record_max_mb" in sent[0].stopped and recorder.calls == 3
+
+
+@pytest.mark.unit
+def test_a_guest_waiting_long_has_its_calls_encoded_meanwhile_and_a_short_wait_does_not() -> None:
+    state = _instance()
+    encoded: list[float] = []
+    state.while_idle = (0.05, lambda: encoded.append(time.monotonic()))
+    handle, fill = state.expect("reply")
+    threading.Timer(0.01, fill, args=("quick",)).start()
+    assert state.wait_any([handle]) == [0] and encoded == []  # over before it was idle
+    handle, fill = state.expect("reply")
+    started = time.monotonic()
+    threading.Timer(0.3, fill, args=("slow",)).start()
+    assert state.wait_any([handle]) == [0]
+    assert len(encoded) == 1 and 0.04 < encoded[0] - started < 0.25
+
+
+def _instance() -> InstanceState:
+    return InstanceState(
+        instance="i1",
+        address="inferlet:i1",
+        user="ann",
+        bridge=None,
+        models=[],
+        kill=KillSwitch(),
+        corr=itertools.count(1),
+        budget_seconds=60.0,
+        version="test",
+    )
 
 
 @pytest.mark.unit

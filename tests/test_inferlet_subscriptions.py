@@ -47,7 +47,7 @@ def instance(**bounds: int) -> InstanceState:
 
 
 def publish(state: InstanceState, sub: int, *messages: str) -> None:
-    corr = state.subscriptions[sub].corr
+    corr = state.topics.subscriptions[sub].corr
     for message in messages:
         state.deliver(bus_ev.TopicMessage(corr=corr, topic="t", sender="p", message=message))
 
@@ -70,7 +70,7 @@ def test_messages_wait_in_order_within_the_bounds() -> None:
     sub = state.subscribe("t")
     publish(state, sub, "a", "b", "c")
     assert read(state, sub, 3) == ["a", "b", "c"]
-    assert state.buffered == 0
+    assert state.topics.buffered == 0
 
 
 def test_past_the_message_bound_the_oldest_are_dropped_and_reported_first() -> None:
@@ -84,7 +84,7 @@ def test_past_the_byte_bound_the_oldest_are_dropped() -> None:
     state = instance(subscription_bytes=10)
     sub = state.subscribe("t")
     publish(state, sub, "1234", "5678", "abcd")
-    assert state.subscriptions[sub].bytes == 8
+    assert state.topics.subscriptions[sub].bytes == 8
     assert read(state, sub, 3) == ["overrun", "5678", "abcd"]
 
 
@@ -110,7 +110,7 @@ def test_a_message_handed_to_a_waiting_read_is_not_buffered() -> None:
     handle = state.next_message(sub)
     publish(state, sub, "larger than the buffer")
     assert state.take(handle, "message") == "larger than the buffer"
-    assert state.buffered == 0 and state.subscriptions[sub].dropped == 0
+    assert state.topics.buffered == 0 and state.topics.subscriptions[sub].dropped == 0
 
 
 def test_one_overrun_per_loss_then_the_subscription_goes_on() -> None:
@@ -127,9 +127,9 @@ def test_past_the_instance_bound_the_fullest_subscription_loses_its_oldest() -> 
     busy, quiet = state.subscribe("busy"), state.subscribe("quiet")
     publish(state, quiet, "qq")
     publish(state, busy, "1234", "5678")
-    assert state.buffered == 10
+    assert state.topics.buffered == 10
     publish(state, busy, "a")
-    assert state.buffered == 7
+    assert state.topics.buffered == 7
     assert read(state, quiet, 1) == ["qq"]
     assert read(state, busy, 3) == ["overrun", "5678", "a"]
 
@@ -139,10 +139,13 @@ def test_the_fullest_subscription_pays_until_the_instance_is_within_its_bound() 
     first, second = state.subscribe("first"), state.subscribe("second")
     publish(state, first, "1234")
     publish(state, second, "abc", "de")
-    assert state.buffered == 6
+    assert state.topics.buffered == 6
     publish(state, second, "fgh")
-    assert (state.subscriptions[first].dropped, state.subscriptions[second].dropped) == (0, 2)
-    assert state.buffered == 7
+    assert (
+        state.topics.subscriptions[first].dropped,
+        state.topics.subscriptions[second].dropped,
+    ) == (0, 2)
+    assert state.topics.buffered == 7
     assert read(state, first, 1) == ["1234"]
 
 
@@ -151,14 +154,15 @@ def test_unsubscribing_gives_back_what_its_buffer_held() -> None:
     first, second = state.subscribe("first"), state.subscribe("second")
     publish(state, first, "1234", "5678")
     state.unsubscribe(first)
-    assert state.buffered == 0
+    assert state.topics.buffered == 0
     publish(state, second, "abcdefgh")
     assert read(state, second, 1) == ["abcdefgh"]
 
 
 def test_the_defaults_hold_1024_messages_16_mib_each_subscription_and_64_mib_in_all() -> None:
     state = instance()
-    assert (state.subscription_buffer, state.subscription_bytes, state.subscriptions_bytes) == (
+    topics = state.topics
+    assert (topics.messages, topics.subscription_bytes, topics.total_bytes) == (
         1024,
         16 << 20,
         64 << 20,

@@ -35,7 +35,7 @@ from pie.sandbox import (
 from pie.sandbox.host import HostFailure, InstanceState, ModelView, add_inferlet_api, bind, serving
 from pie.sandbox.host.media import release_all as release_media
 from pie.sandbox.host.speech import release_all as release_speech
-from pie.sandbox.recording import RecordingLimits, bind_recorder
+from pie.sandbox.recording import IDLE_SECONDS, RecordingLimits, bind_recorder
 from pie.sandbox.wasm import record
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ class InferletActor(Actor):
         recorder = self._recordings.recorder(state) if self._recordings else None
         bind_recorder(recorder)
         if recorder is not None:
-            state.before_wait = recorder.encode_pending
+            state.while_idle = (IDLE_SECONDS, recorder.encode_pending)
         started = time.monotonic()
         try:
             outcome = self._execute(state, program, instance, limits)

@@ -12,13 +12,13 @@ from typing import Any
 
 from pie.events import bus as bus_ev
 from pie.events import inferlet as inf_ev
-from pie.events.bus import message_size
 from pie.events.kv import RequestFailed
 from pie.sandbox.host.failure import HostFailure
 from pie.sandbox.host.matchertable import MatcherTable
 from pie.sandbox.host.ports import Bridge, LaunchTrace
-from pie.sandbox.host.records import Child, ModelView, Pending, Subscription
+from pie.sandbox.host.records import Child, ModelView, Pending
 from pie.sandbox.host.runtable import RunTable
+from pie.sandbox.host.topics import TopicBuffers
 from pie.sandbox.runtime import GuestStopped, KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
@@ -59,25 +59,21 @@ class InstanceState:
         self.kill = kill
         self.version = version
         self.deadline = time.monotonic() + budget_seconds
-        self.subscription_buffer = subscription_buffer
-        self.subscription_bytes = subscription_bytes
-        """What one subscription's buffer may hold, in bytes of UTF-8."""
-        self.subscriptions_bytes = subscriptions_bytes
-        """What the buffers of all this instance's subscriptions may hold together."""
-        self.buffered = 0
+        self.topics = TopicBuffers(
+            messages=subscription_buffer,
+            subscription_bytes=subscription_bytes,
+            total_bytes=subscriptions_bytes,
+        )
         self.response: Any = None
         """An HTTP-served instance's response (host.serving.Response); None otherwise."""
-        self.before_wait: Callable[[], None] | None = None
-        """Work the guest thread does when it is about to wait for a reply (a recorder's
-        encoding), so that it is done while the reply is being made rather than on the way
-        back into the guest."""
+        self.while_idle: tuple[float, Callable[[], None]] | None = None
+        """(seconds, work): work the guest thread does once a wait for a reply has lasted that
+        long (a recorder's encoding); a wait for a pass is over before."""
         self._corr = corr
         self._cond = threading.Condition()
         self._next_handle = 1
         self.pollables: dict[int, Pending] = {}
         self._by_corr: dict[int, int] = {}
-        self.subscriptions: dict[int, Subscription] = {}
-        self._topic_subs: dict[int, int] = {}
         self.children: dict[int, Child] = {}
         self._child_by_corr: dict[int, int] = {}
         self._child_by_instance: dict[str, int] = {}
@@ -141,8 +137,8 @@ class InstanceState:
         """Blocks until one of `handles` is done; the indices of those done."""
         if not handles:
             raise HostFailure("invalid", "poll needs at least one pollable")
-        if self.before_wait is not None and not any(self.is_ready(h) for h in handles):
-            self.before_wait()
+        idle = self.while_idle
+        idle_at = time.monotonic() + idle[0] if idle is not None else 0.0
         with self._cond:
             pending = [self._pending(h) for h in handles]
             while True:
@@ -150,7 +146,21 @@ class InstanceState:
                 if ready:
                     return ready
                 self._check_alive()
-                self._cond.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+                now = time.monotonic()
+                if idle is None or idle_at >= self.deadline:
+                    self._cond.wait(timeout=max(0.0, self.deadline - now))
+                elif now < idle_at:
+                    self._cond.wait(timeout=idle_at - now)
+                else:
+                    self._idle(idle[1])
+                    idle = None
+
+    def _idle(self, work: Callable[[], None]) -> None:
+        self._cond.release()  # deliveries go on meanwhile
+        try:
+            work()
+        finally:
+            self._cond.acquire()
 
     def is_ready(self, handle: int) -> bool:
         with self._cond:
@@ -199,34 +209,27 @@ class InstanceState:
         event = bus_ev.Subscribe(corr=self.next_corr(), requester=self.address, topic=topic)
         sub = self.new_handle()
         with self._cond:
-            for existing in self.subscriptions.values():
-                if existing.topic == topic:
-                    raise HostFailure("invalid", f"already subscribed to {topic!r}")
-            self.subscriptions[sub] = Subscription(topic, event.corr)
-            self._topic_subs[event.corr] = sub
+            self.topics.add(sub, topic, event.corr)
         try:
             self.request("bus", event)
         except HostFailure:
             with self._cond:
-                del self.subscriptions[sub]
+                self.topics.remove(sub)
             raise
         return sub
 
     def next_message(self, sub: int) -> int:
         handle = self.new_handle()
         with self._cond:
-            subscription = self._subscription(sub)
+            subscription = self.topics.get(sub)
             self.pollables[handle] = Pending("message")
             subscription.waiting.append(handle)
-            self._feed_subscription(subscription)
+            self.topics.feed(subscription, self._fill)
         return handle
 
     def unsubscribe(self, sub: int) -> str:
         with self._cond:
-            subscription = self._subscription(sub)
-            del self.subscriptions[sub]
-            self._topic_subs.pop(subscription.corr, None)
-            self.buffered -= subscription.bytes
+            subscription = self.topics.remove(sub)
             for handle in subscription.waiting:
                 self._fill(handle, RequestFailed(corr=0, kind="closed", message="unsubscribed"))
         return subscription.topic
@@ -278,7 +281,7 @@ class InstanceState:
         with self._cond:
             match event:
                 case bus_ev.TopicMessage():
-                    self._topic_message(event)
+                    self.topics.message(event, self._fill)
                 case inf_ev.SessionInput():
                     self._session.append(event)
                     self._feed_session()
@@ -334,12 +337,6 @@ class InstanceState:
             raise HostFailure("no-such-handle", f"no pollable {handle}")
         return pending
 
-    def _subscription(self, sub: int) -> Subscription:
-        subscription = self.subscriptions.get(sub)
-        if subscription is None:
-            raise HostFailure("no-such-handle", f"no subscription {sub}")
-        return subscription
-
     def _child(self, child: int) -> Child:
         entry = self.children.get(child)
         if entry is None:
@@ -349,43 +346,6 @@ class InstanceState:
     def _feed_session(self) -> None:
         while self._session and self._session_waiting:
             self._fill(self._session_waiting.popleft(), self._session.popleft())
-
-    def _topic_message(self, event: bus_ev.TopicMessage) -> None:
-        sub = self._topic_subs.get(event.corr)
-        if sub is None:
-            return
-        subscription = self.subscriptions[sub]
-        size = message_size(event.message)
-        subscription.messages.append((event.message, size))
-        subscription.bytes += size
-        self.buffered += size
-        self._feed_subscription(subscription)
-        while (
-            len(subscription.messages) > self.subscription_buffer
-            or subscription.bytes > self.subscription_bytes
-        ):
-            self._drop_oldest(subscription)
-        while self.buffered > self.subscriptions_bytes:
-            self._drop_oldest(max(self.subscriptions.values(), key=lambda s: s.bytes))
-
-    def _drop_oldest(self, subscription: Subscription) -> None:
-        _, size = subscription.messages.popleft()
-        subscription.bytes -= size
-        self.buffered -= size
-        subscription.dropped += 1
-
-    def _feed_subscription(self, subscription: Subscription) -> None:
-        # The oldest messages go first, so a loss is reported before the messages kept after it.
-        if subscription.dropped and subscription.waiting:
-            message = f"{subscription.dropped} messages on {subscription.topic!r} were dropped"
-            overrun = RequestFailed(corr=0, kind="overrun", message=message)
-            self._fill(subscription.waiting.popleft(), overrun)
-            subscription.dropped = 0
-        while subscription.messages and subscription.waiting:
-            message, size = subscription.messages.popleft()
-            subscription.bytes -= size
-            self.buffered -= size
-            self._fill(subscription.waiting.popleft(), message)
 
     def _child_ended(self, event: inf_ev.InferletEnd) -> None:
         child = self._child_by_instance.get(event.instance)
