@@ -56,13 +56,14 @@ async def serving(
     users: Any = None,
     shared_programs: Any = None,
     bus: Any = None,
+    placer: Callable[[Any], Any] | None = None,
     **server: Any,
 ) -> AsyncIterator[Server]:
     """Yields the running Server (`.url`, `.engine`); stops it gracefully on exit.
 
     Keyword arguments override [server] keys; without `config`, compiled components are cached
     in pytest's cache folder, as the other inferlet tests do. `bus` is open_engine's (a
-    clustered node's bus).
+    clustered node's bus); `placer` makes a clustered node's Placer for the engine.
     """
     tokenizer = tokenizer or default_tokenizer()
     components = PYTEST_CACHE / "pie-components"
@@ -73,7 +74,13 @@ async def serving(
         config, server={"host": "127.0.0.1", "port": 0, "programs_dir": programs, **server}
     )
     async with open_engine(config, driver=driver, tokenizer=tokenizer, bus=bus) as engine:
-        server_ = Server(engine, config.server, users=users, shared_programs=shared_programs)
+        server_ = Server(
+            engine,
+            config.server,
+            users=users,
+            shared_programs=shared_programs,
+            placer=placer(engine) if placer is not None else None,
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(server_.run)
             try:

@@ -29,6 +29,7 @@ CLIENT_SAMPLES = (
         corr=5, name="tc", version="1.0", hash="ab" * 32, size=3, index=0, count=1, data=b"\0as"
     ),
     m.Launch(corr=6, program="tc", input='{"prompt": "hi"}'),
+    m.Launch(corr=18, program="tc", snapshots=("system-prompt",), placed=True),
     m.Attach(corr=7, instance="i1", after=12),
     m.Detach(corr=8, instance="i1"),
     m.SendMessage(corr=9, instance="i1", text="hello"),
@@ -46,6 +47,9 @@ SERVER_SAMPLES = (
     m.Welcome(
         protocol=m.PROTOCOL_VERSION, server="pie 0.1.0", model="smollm2", auth_required=False
     ),
+    m.Welcome(
+        protocol=m.PROTOCOL_VERSION, server="pie", model="m", auth_required=True, node="node-a"
+    ),
     m.Done(corr=1),
     m.Failure(corr=2, kind="no-such-program", message="no program 'x'"),
     m.ChallengeIssued(corr=3, nonce="bm9uY2U="),
@@ -53,6 +57,7 @@ SERVER_SAMPLES = (
     m.ProgramFound(corr=5, hash="ab" * 32, name="tc", version="1.0", size=19_000_000),
     m.UploadProgress(corr=6, received=1 << 20),
     m.Launched(corr=7, instance="i3", queued=True),
+    m.Redirect(corr=7, node="node-3f2a9c01", url="ws://10.0.0.5:8080"),
     m.InferletList(
         corr=8,
         inferlets=(

@@ -391,6 +391,10 @@ class Frames:
                 values[field.name] = rng.choice([None, self.text(40)])
             elif kind is bytes:
                 values[field.name] = rng.randbytes(rng.randrange(40))
+            elif kind is bool:
+                values[field.name] = rng.random() < 0.5
+            elif kind == tuple[str, ...]:
+                values[field.name] = tuple(self.text(40) for _ in range(rng.randrange(3)))
             else:
                 values[field.name] = rng.choice([None, rng.randbytes(rng.randrange(40))])
         if cls is msg.QueryProgram and rng.random() < 0.3:

@@ -75,7 +75,7 @@ def run_submit(args: argparse.Namespace) -> int:
                 info = await client.install(wasm, progress=bar)
         finally:
             bar.close()
-        inferlet = await client.launch(info.hash, args.input)
+        inferlet = await client.launch(info.hash, args.input, snapshots=args.snapshot)
         for file in files:
             await inferlet.send_file(file)
         if args.detach:

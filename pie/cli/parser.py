@@ -131,6 +131,14 @@ def add_client_parsers(commands: Commands) -> None:
         help="install under this version (default: 0.1.0; when the default name@version holds "
         "another build, this one is installed under its hash and run by it)",
     )
+    submit.add_argument(
+        "--snapshot",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a named snapshot the inferlet opens: in a cluster it runs on the node holding it "
+        "(repeatable)",
+    )
     submit.add_argument("--detach", action="store_true", help="print the instance id and leave")
     listing = commands.add_parser("list", help="your inferlets on a server")
     attach = commands.add_parser("attach", help="stream a running inferlet's output")

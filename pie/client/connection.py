@@ -7,7 +7,7 @@ import builtins
 import hashlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,9 @@ from pie.client.errors import (
     raise_sole,
     server_error,
 )
-from pie.client.files import file_message
+from pie.client.files import file_message, program_info, upload
 from pie.client.inferlet import FINAL_EVENTS, ProgramInfo, RemoteInferlet, Subscription
+from pie.client.peers import Peers, attach_where_it_runs, followed, launch_placed
 from pie.wire import messages as msg
 from pie.wire.frames import DEFAULT_MAX_FRAME, FrameError, decode_server_frame, encode_frame
 
@@ -55,6 +56,19 @@ class Client:
         self._watches = Watches()
         self._lost: ConnectionLost | None = None
         self._nursery: trio.Nursery | None = None
+        self._peers: Peers | None = None
+        """Connections to the nodes of a cluster this one redirected requests to."""
+
+    @property
+    def where(self) -> str:
+        """The server, for messages: its URL, and its node id in a cluster."""
+        node = self.welcome.node if self.welcome is not None else ""
+        return f"node {node} at {self.url}" if node else self.url
+
+    @property
+    def lost(self) -> ConnectionLost | None:
+        """Why the connection is gone, or None while it is open."""
+        return self._lost
 
     async def query_program(self, ref: str) -> ProgramInfo | None:
         """The installed program named by `ref` (content hash, name or name@version), or None."""
@@ -62,7 +76,7 @@ class Client:
             found = await self._call(msg.QueryProgram(corr=self._corr(), program=ref))
         except NoSuchProgram:
             return None
-        return _info(found)
+        return program_info(found)
 
     async def install(
         self,
@@ -82,51 +96,79 @@ class Client:
             return found
         if name is None:
             name = wasm.stem if isinstance(wasm, Path) else digest[:12]
-        return await self._upload(data, digest, name, version, chunk_size, progress)
+        return await upload(self, data, digest, name, version, chunk_size, progress)
 
-    async def launch(self, program: str, input: str | dict[str, Any] = "") -> RemoteInferlet:
-        """Starts `program` (hash, name or name@version) and follows its events from seq 1."""
+    async def launch(
+        self, program: str, input: str | dict[str, Any] = "", *, snapshots: Sequence[str] = ()
+    ) -> RemoteInferlet:
+        """Starts `program` (hash, name or name@version) and follows its events from seq 1.
+        In a cluster it runs where the node places it (on the node holding the named
+        `snapshots`, else the least-loaded): the returned inferlet may live on another node,
+        reached through a connection of this client's own."""
         text = input if isinstance(input, str) else json.dumps(input)
+        return await launch_placed(self, program, text, tuple(snapshots))
+
+    async def _launch(
+        self, program: str, text: str, snapshots: tuple[str, ...], *, placed: bool
+    ) -> RemoteInferlet | msg.Redirect:
         corr = self._corr()
         sub = self._launching[corr] = Subscription("")
+        request = msg.Launch(
+            corr=corr, program=program, input=text, snapshots=snapshots, placed=placed
+        )
         try:
-            launched = await self._call(msg.Launch(corr=corr, program=program, input=text))
+            launched = await self._call(request)
         finally:
             del self._launching[corr]
+        if isinstance(launched, msg.Redirect):
+            return launched
         return RemoteInferlet(self, sub, queued=launched.queued)
 
     async def attach(self, instance: str, after: int = 0) -> RemoteInferlet:
-        """Follows a running (or recently ended) inferlet, replaying its events after `after`."""
+        """Follows a running (or recently ended) inferlet, replaying its events after `after`;
+        in a cluster, through a connection to the node that runs it."""
+        return await attach_where_it_runs(self, instance, after)
+
+    async def _attach(self, instance: str, after: int) -> RemoteInferlet | msg.Redirect:
         sub = self._subscribe(Subscription(instance))
         try:
-            await self._call(msg.Attach(corr=self._corr(), instance=instance, after=after))
+            reply = await self._call(msg.Attach(corr=self._corr(), instance=instance, after=after))
         except BaseException:
             self._unsubscribe(sub)
             raise
+        if isinstance(reply, msg.Redirect):
+            self._unsubscribe(sub)
+            return reply
         inferlet = RemoteInferlet(self, sub)
         inferlet.last_seq = after
         return inferlet
 
     async def send(self, instance: str, message: str | bytes) -> None:
         text, data = (message, None) if isinstance(message, str) else (None, bytes(message))
-        request = msg.SendMessage(corr=self._corr(), instance=instance, text=text, data=data)
-        await self._call(request)
+        await followed(
+            self, lambda corr: msg.SendMessage(corr=corr, instance=instance, text=text, data=data)
+        )
 
     async def send_file(self, instance: str, path: Path | str) -> None:
         """Sends a file's bytes as one message; `MessageTooLarge` before anything is sent when
         it cannot fit in a frame (`connect(max_frame=)`, as large as the server's)."""
-        await self._call(file_message(self._corr(), instance, Path(path), self._max_frame))
+        await followed(self, lambda corr: file_message(corr, instance, Path(path), self._max_frame))
 
     async def detach(self, instance: str) -> None:
         """Stops following an inferlet; it keeps running."""
-        await self._call(msg.Detach(corr=self._corr(), instance=instance))
+        await followed(self, lambda corr: msg.Detach(corr=corr, instance=instance))
         sub = self._subs.get(instance)
         if sub is not None:
             self._unsubscribe(sub)
 
     async def terminate(self, instance: str) -> None:
         """Asks the server to stop an inferlet; its final event follows to attached clients."""
-        await self._call(msg.Terminate(corr=self._corr(), instance=instance))
+        await followed(self, lambda corr: msg.Terminate(corr=corr, instance=instance))
+
+    async def _peer(self, redirect: msg.Redirect) -> Client:
+        if redirect.url == self.url or self._peers is None:
+            return self
+        return await self._peers.get(redirect)
 
     async def statistics(self) -> msg.EngineStatus:
         reply: msg.EngineStatus = await self._call(msg.QueryStatistics(corr=self._corr()))
@@ -191,7 +233,7 @@ class Client:
         try:
             await self._ws.send_message(encode_frame(request))
         except ConnectionClosed as exc:
-            self._lose(ConnectionLost(f"connection to {self.url} closed: {_why(exc)}"))
+            self._lose(ConnectionLost(f"connection to {self.where} closed: {_why(exc)}"))
             raise self._lost from None  # type: ignore[misc]
 
     async def _next_reply(self, replies: trio.MemoryReceiveChannel[Any]) -> Any:
@@ -199,34 +241,6 @@ class Client:
             return await replies.receive()
         except trio.EndOfChannel:
             raise self._lost or ConnectionLost("connection closed") from None
-
-    async def _upload(
-        self,
-        data: bytes,
-        digest: str,
-        name: str,
-        version: str,
-        chunk_size: int,
-        progress: Callable[[int, int], None] | None,
-    ) -> ProgramInfo:
-        count = max(1, -(-len(data) // chunk_size))
-        report = _ignore if progress is None else (lambda received: progress(received, len(data)))
-        reply = None
-        for index in range(count):
-            chunk = data[index * chunk_size : (index + 1) * chunk_size]
-            request = msg.UploadProgram(
-                corr=self._corr(), name=name, version=version, hash=digest, size=len(data),
-                index=index, count=count, data=chunk,
-            )  # fmt: skip
-            last = index == count - 1
-            # The last chunk's answer is ProgramFound once compiled, maybe after its progress.
-            reply = await self._call(request, progress=_ignore if last else None)
-            if isinstance(reply, msg.UploadProgress):
-                report(reply.received)
-        if not isinstance(reply, msg.ProgramFound):
-            raise PieError(f"the server did not confirm the upload of {name}@{version}")
-        report(len(data))
-        return _info(reply)
 
     async def _start(self, nursery: trio.Nursery) -> None:
         try:
@@ -259,9 +273,9 @@ class Client:
                 frame = await self._ws.get_message()
                 self._dispatch(decode_server_frame(frame, self._max_frame))
         except ConnectionClosed as exc:
-            self._lose(ConnectionLost(f"connection to {self.url} closed: {_why(exc)}"))
+            self._lose(ConnectionLost(f"connection to {self.where} closed: {_why(exc)}"))
         except FrameError as exc:
-            self._lose(ConnectionLost(f"unreadable frame from {self.url}: {exc}"))
+            self._lose(ConnectionLost(f"unreadable frame from {self.where}: {exc}"))
             await self._ws.aclose()
 
     def _dispatch(self, message: Any) -> None:
@@ -340,14 +354,6 @@ class Client:
         self._watches.close_all(error)
 
 
-def _info(found: msg.ProgramFound) -> ProgramInfo:
-    return ProgramInfo(hash=found.hash, name=found.name, version=found.version, size=found.size)
-
-
-def _ignore(received: int) -> None:
-    pass
-
-
 def _why(exc: ConnectionClosed) -> str:
     reason = exc.reason
     return f"{reason.code} {reason.reason or reason.name}" if reason is not None else "closed"
@@ -380,9 +386,14 @@ async def connect(
     async with AsyncExitStack() as stack:
         ws = await _open(stack, url, max_frame)
         client = Client(ws, url, max_frame)
+        options: dict[str, Any] = {"user": user, "token": token, "key": key}
+        options["key_password"] = key_password
         try:
             async with trio.open_nursery() as nursery:
                 await client._start(nursery)
+                client._peers = Peers(
+                    nursery, lambda peer: connect(peer, max_frame=max_frame, **options), url
+                )
                 try:
                     await client._authenticate(
                         user, token, None if key is None else Path(key), key_password

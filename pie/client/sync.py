@@ -6,7 +6,7 @@ from __future__ import annotations
 import builtins
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -178,8 +178,13 @@ class SyncClient:
 
         return self._loop.run(install)
 
-    def launch(self, program: str, input: str | dict[str, Any] = "") -> SyncInferlet:
-        return SyncInferlet(self._loop, self._loop.run(self._client.launch, program, input))
+    def launch(
+        self, program: str, input: str | dict[str, Any] = "", *, snapshots: Sequence[str] = ()
+    ) -> SyncInferlet:
+        async def launch() -> RemoteInferlet:
+            return await self._client.launch(program, input, snapshots=snapshots)
+
+        return SyncInferlet(self._loop, self._loop.run(launch))
 
     def attach(self, instance: str, after: int = 0) -> SyncInferlet:
         return SyncInferlet(self._loop, self._loop.run(self._client.attach, instance, after))

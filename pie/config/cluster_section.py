@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 from attrs import field, frozen
 
-from pie.config.checks import at_least, positive
+from pie.config.checks import at_least, choice, positive
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 REDIS_SCHEMES = ("redis", "rediss")
@@ -98,6 +98,18 @@ class ClusterConfig:
     bus_max_name_bytes: int = field(default=1024, validator=at_least(1))
     """The longest queue or topic name (UTF-8) a push or broadcast may use on a cluster's bus,
     which keeps names in Redis."""
+
+    placement: str = field(default="load", validator=choice("load", "local"))
+    """Where a WebSocket launch runs: `load`, on the node holding the snapshots it names, else
+    on the least-loaded live node (the client is redirected there); `local`, on the node the
+    client reached."""
+
+    placement_slack: int = field(default=1, validator=at_least(0))
+    """How many more inferlets this node may run than the least-loaded node before `load`
+    placement sends a launch there, so launches do not bounce on small differences."""
+
+    placement_max_snapshots: int = field(default=16, validator=at_least(1))
+    """The most snapshot names one launch may give for placement (each is one Redis read)."""
 
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:

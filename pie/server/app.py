@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from pie.cluster.programs import SharedPrograms
     from pie.engine import Engine
     from pie.server.auth import UserChecks
+    from pie.server.placing import Placer
 
 SWEEP_SECONDS = 0.5
 STOP_WAIT_SECONDS = 10.0
@@ -81,8 +82,11 @@ class Server:
         users: UserChecks | None = None,
         sockets: Sequence[socket.socket] = (),
         shared_programs: SharedPrograms | None = None,
+        placer: Placer | None = None,
     ) -> None:
         self.engine = engine
+        self.placer = placer
+        """On a clustered node: where launches go and which node runs an inferlet."""
         self.config = config
         self.auth_required = auth_required(config)
         if users is None and self.auth_required:
@@ -211,6 +215,7 @@ class Server:
             server=f"pie {__version__}",
             model=self.engine.info.model_name,
             auth_required=self.auth_required,
+            node=self.placer.node_id if self.placer is not None else "",
             models=tuple(
                 model_card(m.name, m.info.inputs, m.info.outputs) for m in self.engine.models
             ),
@@ -223,21 +228,29 @@ class Server:
 
     # -- inferlets -----------------------------------------------------------------------------
 
-    async def launch(self, session: Session, request: msg.Launch) -> msg.Launched:
+    async def launch(self, session: Session, request: msg.Launch) -> msg.Launched | msg.Redirect:
+        """Runs the launch here, or on a clustered node may send the client to the node it
+        belongs on (never a launch that was sent here: `placed`)."""
         if self.stopping:
             raise Refused("shutting-down", "the server is stopping")
+        if self.placer is not None and not request.placed:
+            target = await self.placer.place(session.user, request.snapshots)
+            if target is not None:
+                return msg.Redirect(corr=request.corr, node=target.node_id, url=target.ws_url)
         info = await self._resolve(request.program, session.user)
         assert self._requester is not None and self._nursery is not None
         run = await self._requester.launch(info.hash, request.input, user=session.user)
+        instance = run.instance if self.placer is None else self.placer.cluster_id(run.instance)
         self.hub.launched(
-            run.instance,
+            instance,
             user=session.user,
             program=f"{info.name}@{info.version}",
             connection=session.connection,
             queued=run.queued,
+            engine_id=run.instance,
         )
         self._nursery.start_soon(self._forward_events, run)
-        return msg.Launched(corr=request.corr, instance=run.instance, queued=run.queued)
+        return msg.Launched(corr=request.corr, instance=instance, queued=run.queued)
 
     async def _forward_events(self, run: InferletRun) -> None:
         try:
@@ -254,26 +267,29 @@ class Server:
             inf_ev.check_one_payload(request.text, request.data)
         except ValueError as err:
             raise Refused("bad-frame", f"bad SendMessage: {err}") from None
-        self.hub.live(user, request.instance)
+        tracked = self.hub.live(user, request.instance)
         assert self._requester is not None
         await self._requester.call(
             "inferlets",
             inf_ev.SendToInferlet,
-            instance=request.instance,
+            instance=tracked.engine_id,
             text=request.text,
             data=request.data,
         )
 
     async def terminate(self, user: str, instance: str) -> None:
-        self.hub.live(user, instance)
+        tracked = self.hub.live(user, instance)
         self.hub.stopping(instance)
         assert self._requester is not None
-        await self._requester.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
+        await self._requester.call(
+            "inferlets", inf_ev.TerminateInferlet, instance=tracked.engine_id
+        )
 
     async def _terminate_quietly(self, instance: str) -> None:
         assert self._requester is not None
+        engine_id = self.hub.engine_id(instance)
         try:
-            await self._requester.call("inferlets", inf_ev.TerminateInferlet, instance=instance)
+            await self._requester.call("inferlets", inf_ev.TerminateInferlet, instance=engine_id)
         except RequestRefused:  # it ended meanwhile
             pass
 

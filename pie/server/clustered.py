@@ -1,5 +1,6 @@
 """What a clustered node shares through Redis besides its registration: the programs users
-installed and the users themselves, on one Redis client opened for the server's life."""
+installed and the users themselves (and the client for placement), on one Redis client opened
+for the server's life."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import trio
 from attrs import frozen
 
 from pie.cluster.programs import SharedPrograms
-from pie.cluster.store import STORE_ERRORS, ClusterUnreachable, open_store, redis_down
+from pie.cluster.store import (
+    STORE_ERRORS,
+    ClusterUnreachable,
+    RedisStore,
+    open_store,
+    redis_down,
+)
 from pie.cluster.users import SharedUsers, UsersFull
 from pie.config import ClusterConfig, ConfigError
 from pie.server.app import Server
@@ -22,6 +29,8 @@ class SharedState:
     programs: SharedPrograms
     users: MirroredUsers
     """Loaded at open; start `users.run` to follow changes."""
+    store: RedisStore
+    """The client they share, for what else the server reads (placement)."""
 
 
 @contextlib.asynccontextmanager
@@ -42,7 +51,7 @@ async def open_shared_state(config: ClusterConfig) -> AsyncIterator[SharedState]
         except (*STORE_ERRORS, UsersFull) as exc:
             failure = exc  # raised outside the client's context (see check_reachable)
         else:
-            yield SharedState(programs=programs, users=users)
+            yield SharedState(programs=programs, users=users, store=store)
     if isinstance(failure, UsersFull):
         raise ConfigError(str(failure)) from None
     if failure is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import attrs
 from attrs import define, field
 
 from pie.events import inferlet as ev
@@ -27,6 +28,7 @@ class Refused(Exception):
 @define
 class Tracked:
     instance: str
+    """The id clients know it by: the engine's own, or on a clustered node `ID@NODE`."""
     user: str
     program: str
     state: str
@@ -39,6 +41,8 @@ class Tracked:
     alone_since: float | None = None
     """When the last attached connection went; None while one is attached."""
     ended_at: float | None = None
+    engine_id: str = ""
+    """The engine's id for it (its events carry that one)."""
 
     @property
     def live(self) -> bool:
@@ -72,21 +76,42 @@ class Hub:
         self.orphan_seconds = orphan_seconds
         self.retain_seconds = retain_seconds
         self.tracked: dict[str, Tracked] = {}
+        self._by_engine_id: dict[str, Tracked] = {}
 
     def launched(
-        self, instance: str, *, user: str, program: str, connection: int, queued: bool
+        self,
+        instance: str,
+        *,
+        user: str,
+        program: str,
+        connection: int,
+        queued: bool,
+        engine_id: str = "",
     ) -> None:
-        """A launch by `connection`, which is attached from the start."""
+        """A launch by `connection`, which is attached from the start; `instance` is the id
+        clients see, `engine_id` the engine's when they differ."""
         state = "queued" if queued else "running"
-        self.tracked[instance] = Tracked(
-            instance=instance, user=user, program=program, state=state, attached={connection}
+        tracked = Tracked(
+            instance=instance,
+            user=user,
+            program=program,
+            state=state,
+            attached={connection},
+            engine_id=engine_id or instance,
         )
+        self.tracked[instance] = self._by_engine_id[tracked.engine_id] = tracked
+
+    def engine_id(self, instance: str) -> str:
+        tracked = self.tracked.get(instance)
+        return instance if tracked is None else tracked.engine_id
 
     def record(self, event: Any, now: float) -> list[Delivery]:
         """Buffers a lifecycle event and says which connections must get it."""
-        tracked = self.tracked.get(event.instance)
+        tracked = self._by_engine_id.get(event.instance)
         if tracked is None:
             return []
+        if tracked.instance != event.instance:
+            event = attrs.evolve(event, instance=tracked.instance)
         message = InferletEvent(instance=tracked.instance, seq=tracked.next_seq, event=event)
         tracked.next_seq += 1
         self._buffer(tracked, message)
@@ -170,6 +195,7 @@ class Hub:
                 assert tracked.ended_at is not None
                 if now - tracked.ended_at >= self.retain_seconds:
                     del self.tracked[tracked.instance]
+                    del self._by_engine_id[tracked.engine_id]
                     self.user_bytes[tracked.user] -= tracked.buffered_bytes
             elif _alone_for(tracked, now) >= self.orphan_seconds and tracked.state != "stopping":
                 tracked.state = "stopping"

@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -29,6 +29,9 @@ from pie.server.observe.metrics import EngineMetrics
 from pie.server.observe.probes import probe_routes, server_readiness
 from pie.server.ports import BoundPorts, PortUnavailable, bind_ports, listen_on
 from pie.server.routes import Route
+
+if TYPE_CHECKING:
+    from pie.server.placing import Placer
 
 __all__ = ["BoundPorts", "PortUnavailable", "bind_ports", "listen_on", "serve"]
 
@@ -73,6 +76,7 @@ async def _serve(
             sockets=ports.websocket,
             shared_programs=shared.programs if shared else None,
             users=shared.users if shared else None,
+            placer=_placer(config, shared, engine),
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
@@ -109,6 +113,15 @@ async def _shared(config: EngineConfig) -> AsyncIterator[Any]:
 
     async with open_shared_state(config.cluster) as shared:
         yield shared
+
+
+def _placer(config: EngineConfig, shared: Any, engine: Engine) -> Placer | None:
+    """Where a clustered node's launches go ([cluster] placement), None on a node alone."""
+    if shared is None:
+        return None
+    from pie.server.placing import Placer
+
+    return Placer(shared.store, config.cluster, engine)
 
 
 def _bus(config: EngineConfig) -> Callable[[Router], Actor] | None:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from pie.server.app import Server
 
 MAX_AUTH_FAILURES = 3
+ABOUT_AN_INFERLET = (msg.Attach, msg.Detach, msg.SendMessage, msg.Terminate)
+"""Requests that name an inferlet, which another node of a cluster may run."""
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY = 1008
 
@@ -123,6 +125,10 @@ class Session:
         ):
             raise Refused("unauthenticated", "authenticate first")
         server = self.server
+        if server.placer is not None and isinstance(request, ABOUT_AN_INFERLET):
+            redirect = await server.placer.redirect(request.corr, request.instance)
+            if redirect is not None:
+                return redirect
         match request:
             case msg.Authenticate():
                 return self._authenticate(request)

@@ -9,10 +9,25 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cattrs.gen import make_dict_unstructure_fn, override
+
 from pie.events import codec
-from pie.wire.messages import CLIENT_MESSAGES, SERVER_MESSAGES, StreamedEvent
+from pie.wire.messages import CLIENT_MESSAGES, SERVER_MESSAGES, Launch, StreamedEvent, Welcome
 
 codec.register_tagged_union(StreamedEvent)
+
+
+def _omit_when_default(cls: type, *names: str) -> None:
+    """Fields a cluster added are left out of a frame while they hold their default, so a
+    frame of a node on its own reads as before."""
+    omitted: dict[str, Any] = {name: override(omit_if_default=True) for name in names}
+    codec.converter.register_unstructure_hook(
+        cls, make_dict_unstructure_fn(cls, codec.converter, **omitted)
+    )
+
+
+_omit_when_default(Launch, "snapshots", "placed")
+_omit_when_default(Welcome, "node")
 
 _CLIENT = codec.by_name(CLIENT_MESSAGES)
 _SERVER = codec.by_name(SERVER_MESSAGES)

@@ -60,9 +60,15 @@ class UploadProgram:
 
 @frozen(kw_only=True)
 class Launch:
+    """On a clustered node the launch may be answered with `Redirect` to another node: to the
+    one holding the named `snapshots`, else to the least-loaded one. `placed` says the client
+    was redirected already, so it runs where it arrives."""
+
     corr: int
     program: str
     input: str = ""
+    snapshots: tuple[str, ...] = ()
+    placed: bool = False
 
 
 @frozen(kw_only=True)
@@ -180,6 +186,8 @@ class Welcome:
     auth_required: bool
     models: tuple[ModelCard, ...] = ()
     """Every served model, the default first (empty from a server that does not say)."""
+    node: str = ""
+    """This node's id in its cluster; empty from a node on its own."""
 
 
 @frozen(kw_only=True)
@@ -232,6 +240,17 @@ class Launched:
     corr: int
     instance: str
     queued: bool
+
+
+@frozen(kw_only=True)
+class Redirect:
+    """The answer to a `Launch` placed on another node of the cluster, or to a request about an
+    inferlet that runs on another node: send it there (a `Launch` with `placed` set)."""
+
+    corr: int
+    node: str
+    url: str
+    """The node's WebSocket URL."""
 
 
 @frozen(kw_only=True)
@@ -331,6 +350,7 @@ ServerMessage: TypeAlias = (
     | ProgramFound
     | UploadProgress
     | Launched
+    | Redirect
     | InferletList
     | EngineStatus
     | InferletEvent
