@@ -42,6 +42,7 @@ RUNNERS = {
     "bench metrics": "pie.cli.bench.metrics:run_bench_metrics",
     "doctor": "pie.cli.doctor:run_doctor",
     "cluster status": "pie.cli.cluster:run_cluster_status",
+    "cluster up": "pie.cli.cluster_up:run_cluster_up",
 }
 """Each command's function, imported only when that command runs."""
 

@@ -46,6 +46,9 @@ class Registration:
         self.renewals = 0
         self.failures = 0
         """Renewals that failed in a row (0 while Redis answers)."""
+        self.left = False
+        """Whether the record was deleted when the node left."""
+        self._renewing = trio.CancelScope()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Joins (raising ClusterUnreachable or JoinRefused), reports started, then renews until
@@ -57,10 +60,16 @@ class Registration:
             except STORE_ERRORS as exc:
                 raise ClusterUnreachable(redis_down(url, exc)) from None
             try:
-                task_status.started()
-                await self._renew_forever(store)
+                with self._renewing:
+                    task_status.started()
+                    await self._renew_forever(store)
             finally:
                 await self._leave()
+
+    def leave(self) -> None:
+        """Stops renewing and deletes the record now: a node that has begun to stop takes no
+        new work, so it should not be listed (nor routed to) while it finishes what it has."""
+        self._renewing.cancel()
 
     async def _join(self, store: RedisStore) -> None:
         present = await live_nodes(store, self.config.max_nodes)
@@ -125,6 +134,7 @@ class Registration:
                 async with open_store(self.config.redis, timeout) as store:
                     await store.delete(self.node.key)
                     await store.remove_from_set(NODES_INDEX, self.node.node_id)
+                self.left = True
             except Exception as exc:  # noqa: BLE001 (leaving is best effort: the record expires)
                 log.warning("pie: could not leave the cluster cleanly (%s)", reason(exc))
 
