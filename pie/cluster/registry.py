@@ -21,13 +21,11 @@ from pie.cluster.store import (
     reason,
     redacted,
     redis_down,
+    retry_delay,
 )
 from pie.config import ClusterConfig, ConfigError
 
 log = logging.getLogger(__name__)
-
-BACKOFF_CAP_SECONDS = 10.0
-"""The longest wait between two tries while Redis is away."""
 
 
 class JoinRefused(ConfigError):
@@ -105,10 +103,8 @@ class Registration:
         self.renewals += 1
 
     def _next_delay(self) -> float:
-        renew = self.config.renew_seconds
-        if not self.failures:
-            return renew
-        return min(renew * 2.0 ** min(self.failures, 16), max(renew, BACKOFF_CAP_SECONDS))
+        config = self.config
+        return retry_delay(config.renew_seconds, self.failures, config.reconnect_max_seconds)
 
     def _failed(self, url: str, exc: BaseException) -> None:
         if not self.failures:
