@@ -3,7 +3,8 @@
 it prints every URL and the nodes join; what Redis acknowledged (a user, an installed program)
 survives Redis being killed and started again, and a node's stale cache never serves a program
 to a user who does not own it; a node stopped with SIGTERM leaves the cluster and the router at
-once; Ctrl-C stops every part and leaves no process. Cheaper: a node that fails at start ends
+once; Ctrl-C stops every part and leaves no process; `pie bench cluster` runs on its nodes with
+tiny settings. Cheaper: a node that fails at start ends
 the command in one line naming it; node configs written back as TOML read the same."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import trio
 import wasmtime
 
+from pie.cli import main
 from pie.client import connect
 from pie.client.errors import NoSuchProgram
 from pie.cluster.local import node_config, to_toml
@@ -179,6 +181,30 @@ def test_cluster_up_prints_every_url_and_serves_through_the_router(up: Up) -> No
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.model
+def test_the_cluster_bench_compares_policies_and_node_counts_on_the_nodes(
+    up: Up, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workers = [up.node(n)["http_url"] for n in ("node-1", "node-2")]
+    argv = ["bench", "cluster", "--workers", *workers, "--requests", "4", "--prompts", "2"]
+    argv += ["--prompt-words", "40", "--tokens", "2", "--concurrency", "2", "--repeats", "1"]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    configs = {(c["nodes"], c["policy"]): c for c in result["configs"]}
+    assert sorted(configs) == [(1, "cache_aware"), (2, "cache_aware"), (2, "round_robin")]
+    for config in configs.values():
+        [measured] = config["rounds"]
+        assert measured["tokens_per_s"] > 0 and measured["first_token_p50_ms"] > 0
+        assert 0 <= measured["prefix_hit_rate"] <= 1
+        assert sum(measured["requests_per_node"]) == 4
+    assert len(configs[(1, "cache_aware")]["rounds"][0]["requests_per_node"]) == 1
+    assert [r["name"] for r in result["ratios"]] == [
+        "2 nodes, cache_aware / 2 nodes, round_robin",
+        "2 nodes, cache_aware / 1 node, cache_aware",
+    ]
+    assert all(r["tokens_per_s"]["median"] > 0 for r in result["ratios"])
 
 
 @pytest.mark.model
