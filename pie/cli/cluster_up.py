@@ -38,7 +38,9 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         env=dict(os.environ),
     )
     signal.signal(signal.SIGTERM, _interrupt)
-    _say(f"starting Redis, {args.nodes} nodes and the router (state in {settings.state_dir})")
+    nodes = f"{args.nodes} node{'s' if args.nodes > 1 else ''}"
+    redis = "Redis" if not args.cluster else "no Redis (using --cluster)"
+    _say(f"starting {redis}, {nodes} and the router (state in {settings.state_dir})")
     cluster = LocalCluster.start(settings)
     try:
         _announce(cluster, args.json)
