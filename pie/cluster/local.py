@@ -165,14 +165,15 @@ class LocalCluster:
 
     def _start_nodes(self) -> None:
         names = [f"node-{i}" for i in range(1, self.settings.nodes + 1)]
-        spawned = {name: self._spawn_node(name) for name in names}
-        self.nodes = []  # filled as they come up; stop() ends the rest through `spawned`
+        spawned: dict[str, LocalServer] = {}
         try:
+            for name in names:  # all at once: they load their models side by side
+                spawned[name] = self._spawn_node(name)
             self._wait_nodes(spawned)
+            self.nodes = [_describe(name, spawned[name]) for name in names]
         except BaseException:
             _stop_all(list(spawned.values()))
             raise
-        self.nodes = [_describe(name, spawned[name]) for name in names]
 
     def _spawn_node(self, name: str) -> LocalServer:
         folder = self.settings.state_dir / name
