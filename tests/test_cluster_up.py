@@ -2,10 +2,10 @@
 `pie serve` nodes on the default model and the real SGLang router), started once for the module:
 it prints every URL and the nodes join; what Redis acknowledged (a user, an installed program)
 survives Redis being killed and started again, and a node's stale cache never serves a program
-to a user who does not own it; a node stopped with SIGTERM leaves the cluster and the router at
-once; Ctrl-C stops every part and leaves no process; `pie bench cluster` runs on its nodes with
-tiny settings. Cheaper: a node that fails at start ends
-the command in one line naming it; node configs written back as TOML read the same."""
+to a user who does not own it; a node stopped with SIGTERM leaves the cluster at once, finishes
+its running inferlet, and is dropped by the router; Ctrl-C stops every part and leaves no
+process; `pie bench cluster` runs on its nodes with tiny settings. Cheaper: a node that fails at
+start ends the command in one line naming it; node configs written back as TOML read the same."""
 
 from __future__ import annotations
 
@@ -237,14 +237,30 @@ async def test_what_redis_acknowledged_survives_its_crash_and_a_stale_cache_serv
 
 
 @pytest.mark.model
-def test_a_node_stopped_with_sigterm_leaves_the_cluster_and_the_router_at_once(up: Up) -> None:
+async def test_a_node_stopped_with_sigterm_leaves_at_once_and_then_finishes_its_work(
+    up: Up,
+) -> None:
     node = up.child("node-2/pie.toml")
-    node.send_signal(signal.SIGTERM)
-    stopped = time.monotonic()
-    wait_for(lambda: node_ids(up.redis) == ["node-1"], LEAVE_SECONDS * 3, "node-2 gone")
-    assert time.monotonic() - stopped < LEAVE_SECONDS
-    node.wait(60)
-    wait_for(lambda: "node-2 exited with 0; the router dropped it" in up.said(), 10, "told")
+    async with connect(up.node("node-2")["ws_url"], user="ada") as client:
+        installed = await client.install(program(), name="echo", version="1.0")
+        waiting = await client.launch(installed.hash, "p")  # returns once it gets a message
+        node.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        await trio.to_thread.run_sync(
+            lambda: wait_for(lambda: node_ids(up.redis) == ["node-1"], 10, "node-2 gone")
+        )
+        assert time.monotonic() - stopped < LEAVE_SECONDS
+        assert node.is_running(), "it left before it stopped: its inferlet still runs"
+        await waiting.send("go")
+        with trio.fail_after(30):
+            outcome = await waiting.result()
+    assert outcome.ok and outcome.result == "fine"
+    await trio.to_thread.run_sync(lambda: node.wait(60))  # its code: in what up says below
+    await trio.to_thread.run_sync(
+        lambda: wait_for(
+            lambda: "node-2 exited with 0; the router dropped it" in up.said(), 10, "told"
+        )
+    )
     router = str(up.urls["router"]).removesuffix("/v1")
     workers = httpx.get(f"{router}/workers", timeout=10).json()["workers"]
     assert [w["url"] for w in workers] == [up.node("node-1")["http_url"]]
