@@ -9,6 +9,7 @@ start ends the command in one line naming it; node configs written back as TOML 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import signal
@@ -30,6 +31,7 @@ from pie.cli import main
 from pie.client import connect
 from pie.client.errors import NoSuchProgram
 from pie.cluster.local import node_config, to_toml
+from pie.cluster.redis_process import free_port
 from tests.server_fixtures import PYTEST_CACHE
 
 GUEST = (Path(__file__).parent / "wat_guests" / "host_calls.wat").read_text()
@@ -293,6 +295,25 @@ def test_a_node_that_fails_at_start_ends_cluster_up_in_one_line_naming_it(tmp_pa
     assert re.fullmatch(r"pie: node-[12] \(pie serve\) exited with 2 at start: pie: .+", last)
     assert "no-model-here" in last
     assert leftovers(state) == []
+
+
+@pytest.mark.integration
+def test_cluster_up_refuses_in_one_line_before_starting_anything(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    unreachable = pie("cluster", "up", "--state-dir", str(state), "--cluster", nowhere)
+    no_nodes = pie("cluster", "up", "--state-dir", str(state), "--nodes", "0")
+    with (state / "lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        taken = pie("cluster", "up", "--state-dir", str(state), "--router-port", "0")
+    for done, code, line in [
+        (unreachable, 1, f"pie: cannot reach Redis at {nowhere}: connection refused"),
+        (no_nodes, 2, "pie: --nodes must be at least 1, got 0"),
+        (taken, 1, f"pie: another `pie cluster up` uses {state}"),
+    ]:
+        assert (done.returncode, done.stderr.splitlines()[-1]) == (code, line), done.stderr
+    assert leftovers(state) == [] and not (state / "redis").exists()
 
 
 @pytest.mark.unit
