@@ -21,6 +21,7 @@ from pie.client.local import LocalServer
 from pie.cluster.records import NodeLoad, NodeRecord
 from pie.cluster.registry import JoinRefused, Registration
 from pie.cluster.status import read_status
+from pie.cluster.store import retry_delay
 from pie.config import ClusterConfig, ConfigError, EngineConfig, with_overrides
 from pie.server.joining import join_cluster
 from tests.redis_fixtures import RedisServer, free_port, redis_server  # noqa: F401
@@ -258,3 +259,11 @@ async def test_two_pie_serve_nodes_on_one_redis_both_show_in_status(
     assert all(n["models"] == [first.model] and n["load"]["free_pages"] > 0 for n in listed)
     assert [n.ws_url for n in left.values()] == [first.url], "the stopped node left at once"
     assert await nodes(redis_server.url) == {}
+
+
+@pytest.mark.unit
+def test_retries_while_redis_is_away_back_off_to_a_bound() -> None:
+    delays = [retry_delay(0.25, failures, 5.0) for failures in range(8)]
+    assert delays == [0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
+    assert retry_delay(8.0, 3, 5.0) == 8.0, "never sooner than the loop's own interval"
+    assert with_overrides(EngineConfig(), cluster={}).cluster.reconnect_max_seconds == 5.0

@@ -56,7 +56,7 @@ ALLOWED = {
         "pie.observe",
         "pie.sandbox",
     },
-    "pie.cluster": {"pie.actors", "pie.config", "pie.events"},
+    "pie.cluster": {"pie.actors", "pie.client", "pie.config", "pie.events"},
     "pie.server": {
         "pie",
         "pie.actors",

@@ -40,8 +40,10 @@ RUNNERS = {
     "bench media": "pie.cli.bench.media:run_bench_media",
     "bench log": "pie.cli.bench.eventlog:run_bench_log",
     "bench metrics": "pie.cli.bench.metrics:run_bench_metrics",
+    "bench cluster": "pie.cli.bench.cluster:run_bench_cluster",
     "doctor": "pie.cli.doctor:run_doctor",
     "cluster status": "pie.cli.cluster:run_cluster_status",
+    "cluster up": "pie.cli.cluster_up:run_cluster_up",
 }
 """Each command's function, imported only when that command runs."""
 

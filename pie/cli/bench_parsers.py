@@ -20,7 +20,8 @@ def add_bench_parsers(commands: Commands) -> None:
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     add_engine_options(bench)
     suites = bench.add_subparsers(
-        dest="suite", metavar="[inferlets | serve | tax | agents | gpu | decoding | metrics]"
+        dest="suite",
+        metavar="[inferlets | serve | tax | agents | gpu | decoding | metrics | cluster]",
     )
     _bench_inferlets_parser(suites)
     _bench_decoding_parser(suites)
@@ -33,6 +34,7 @@ def add_bench_parsers(commands: Commands) -> None:
     _bench_media_parser(suites)
     _bench_log_parser(suites)
     _bench_metrics_parser(suites)
+    _bench_cluster_parser(suites)
 
 
 def _bench_inferlets_parser(suites: Commands) -> None:
@@ -236,4 +238,39 @@ def _bench_metrics_parser(suites: Commands) -> None:
     metrics.add_argument("--repeats", type=int, default=5, help="rounds of each, interleaved")
     metrics.add_argument(
         "--scrape-ms", type=float, default=100.0, help="time between one scrape and the next"
+    )
+
+
+def _bench_cluster_parser(suites: Commands) -> None:
+    cluster = suites.add_parser(
+        "cluster", help="a prefix-heavy chat load through the router: cache_aware vs round_robin"
+    )
+    cluster.add_argument("--json", action="store_true", help="print one JSON object")
+    cluster.add_argument("--nodes", type=int, nargs="+", default=[1, 2], help="node counts")
+    cluster.add_argument(
+        "--policies",
+        nargs="+",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        default=["cache_aware", "round_robin"],
+        help="router policies (default: cache_aware round_robin)",
+    )
+    cluster.add_argument("--requests", type=int, default=32, help="chats per round")
+    cluster.add_argument("--users", type=int, default=16, help="users sending them")
+    cluster.add_argument("--prompts", type=int, default=4, help="system prompts they share")
+    cluster.add_argument(
+        "--prompt-words", type=int, default=200, help="about how long a system prompt is"
+    )
+    cluster.add_argument("--tokens", type=int, default=8, help="max_tokens of each reply")
+    cluster.add_argument("--concurrency", type=int, default=4, help="chats in flight at once")
+    cluster.add_argument("--repeats", type=int, default=3, help="rounds of each configuration")
+    cluster.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    cluster.add_argument(
+        "--workers",
+        nargs="+",
+        metavar="URL",
+        help="measure these nodes (their HTTP fronts, http://HOST:PORT) instead of starting some",
+    )
+    cluster.add_argument("--config", help="engine config file (TOML) for the started nodes")
+    cluster.add_argument(
+        "--model", action="append", default=[], metavar="[NAME=]PATH", help="as for pie serve"
     )

@@ -74,12 +74,36 @@ def add_serve_parser(commands: Commands) -> None:
 
 
 def add_cluster_parser(commands: Commands) -> None:
-    """`cluster status`: the nodes joined through one Redis."""
+    """`cluster status | up`: the nodes joined through one Redis; a cluster on this machine."""
     cluster = commands.add_parser("cluster", help="the nodes that share one Redis")
     actions = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
     status = actions.add_parser("status", help="the nodes with their URLs, models and load")
     add_cluster_url_option(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    up = actions.add_parser(
+        "up", help="Redis, N nodes and the SGLang router on this machine, until Ctrl-C"
+    )
+    up.add_argument("--nodes", type=int, default=2, help="pie serve nodes to start (default 2)")
+    up.add_argument(
+        "--router-port", type=int, default=30000, help="the router's port (default 30000; 0: free)"
+    )
+    up.add_argument(
+        "--policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        help="the router's policy (default cache_aware)",
+    )
+    up.add_argument("--cluster", metavar="URL", help="use the Redis at URL instead of starting one")
+    up.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="Redis's files and each node's (default: cluster/ in the cache dir)",
+    )
+    up.add_argument("--config", help="engine config file (TOML) for every node")
+    up.add_argument(
+        "--model", action="append", default=[], metavar="[NAME=]PATH", help="as for pie serve"
+    )
+    up.add_argument("--json", action="store_true", help="print the URLs as one JSON object")
 
 
 def add_engine_parsers(commands: Commands) -> None:

@@ -18,6 +18,21 @@ from pie.wire.messages import EngineStatus
 _SERVING = re.compile(r"pie: serving (?P<model>.+) on (?P<url>ws://\S+)")
 
 
+class ServerExited(RuntimeError):
+    """`pie serve` ended before it announced its URL."""
+
+    def __init__(self, code: int, log_tail: str) -> None:
+        super().__init__(f"pie serve exited with {code}:\n{log_tail}")
+        self.code = code
+        self.log_tail = log_tail
+
+    @property
+    def last_line(self) -> str:
+        """The last line the server wrote, which says why it stopped."""
+        lines = [line for line in self.log_tail.splitlines() if line.strip()]
+        return lines[-1] if lines else "no output"
+
+
 class LocalServer:
     """A `pie serve --port 0` child process. `start` returns once the server has announced its
     URL on stderr; `stop` sends SIGTERM and waits for the graceful exit."""
@@ -28,6 +43,7 @@ class LocalServer:
         self.model = ""
         self._log: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
+        self._terminated = False
         # The pipe must be drained for the server's whole life, or its writes would block.
         self._reader = threading.Thread(target=self._read_stderr, daemon=True)
         self._reader.start()
@@ -43,6 +59,26 @@ class LocalServer:
     ) -> LocalServer:
         """Starts `pie serve` on `model` (default: the configured model), on a free port, with
         `args` added to its command line."""
+        server = cls.spawn(model, env=env, args=args)
+        try:
+            server.wait_ready(timeout)
+        except BaseException:
+            server.kill()
+            raise
+        return server
+
+    @classmethod
+    def spawn(
+        cls,
+        model: str | Path | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
+        own_session: bool = False,
+    ) -> LocalServer:
+        """Starts `pie serve` as `start` does but returns at once (see `ready`, `wait_ready`).
+        With `own_session` the child gets its own session: a Ctrl-C at the terminal reaches only
+        its parent, which then stops it in the order it chooses."""
         command = [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
         if model is not None:
             command += ["--model", str(model)]
@@ -54,14 +90,9 @@ class LocalServer:
             stderr=subprocess.PIPE,
             text=True,
             env=dict(env) if env is not None else None,
+            start_new_session=own_session,
         )
-        server = cls(process)
-        try:
-            server._wait_ready(timeout)
-        except BaseException:
-            server.kill()
-            raise
-        return server
+        return cls(process)
 
     @property
     def pid(self) -> int:
@@ -71,10 +102,19 @@ class LocalServer:
         """The server's last lines of stderr, for error messages."""
         return "\n".join(list(self._log)[-lines:])
 
+    def terminate(self) -> None:
+        """Asks the server to stop (SIGTERM, once: a second would stop it at once)."""
+        if self.process.poll() is None and not self._terminated:
+            self.process.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def join_reader(self, timeout: float = 5.0) -> None:
+        """Waits until the ended server's last lines are read into `log_tail`."""
+        self._reader.join(timeout)
+
     def stop(self, grace: float = 60.0) -> int:
         """SIGTERM, then the exit status; kills and raises TimeoutError past `grace` seconds."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             code = self.process.wait(grace)
         except subprocess.TimeoutExpired:
@@ -88,12 +128,18 @@ class LocalServer:
             self.process.kill()
         self.process.wait()
 
-    def _wait_ready(self, timeout: float) -> None:
+    @property
+    def ready(self) -> bool:
+        """Whether the server has announced its URL."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Returns once the server announced its URL; ServerExited or TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.1):
             if self.process.poll() is not None:
-                code = self.process.returncode
-                raise RuntimeError(f"pie serve exited with {code}:\n{self.log_tail()}")
+                self._reader.join(2)  # its last words, for the error
+                raise ServerExited(self.process.returncode, self.log_tail())
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pie serve did not start within {timeout:g} s")
 

@@ -21,7 +21,7 @@ from pie.actors.bus import (
 )
 from pie.actors.runtime import Actor, Router
 from pie.cluster.bus_store import RedisQueues, TopicFrame, decoded
-from pie.cluster.store import STORE_ERRORS, open_store, reason, redacted
+from pie.cluster.store import STORE_ERRORS, open_store, reason, redacted, retry_delay
 from pie.config import ClusterConfig
 from pie.events import bus as ev
 from pie.events.bus import message_size
@@ -172,17 +172,22 @@ class ClusterBus(Actor):
 
     async def _listen(self, *, task_status: trio.TaskStatus[None]) -> None:
         """Reads the stream from its end at start, every entry in order, for the bus's life;
-        while Redis is away it tries again every bus_poll_seconds and goes on where it was."""
+        while Redis is away it tries again (bus_poll_seconds apart, doubling up to
+        reconnect_max_seconds) and goes on where it was."""
         assert self._queues is not None
         last = await self._queues.last_entry()
         task_status.started()
         wait_ms = int(min(1.0, self.config.connect_timeout_seconds / 2) * 1000)
+        failures = 0
         while True:
             try:
                 entries = await self._queues.read_after(last, wait_ms)
             except STORE_ERRORS:
-                await trio.sleep(self.config.bus_poll_seconds)
+                failures += 1
+                cap = self.config.reconnect_max_seconds
+                await trio.sleep(retry_delay(self.config.bus_poll_seconds, failures - 1, cap))
                 continue
+            failures = 0
             for entry, fields in entries:
                 last = entry
                 try:

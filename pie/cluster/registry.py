@@ -21,13 +21,11 @@ from pie.cluster.store import (
     reason,
     redacted,
     redis_down,
+    retry_delay,
 )
 from pie.config import ClusterConfig, ConfigError
 
 log = logging.getLogger(__name__)
-
-BACKOFF_CAP_SECONDS = 10.0
-"""The longest wait between two tries while Redis is away."""
 
 
 class JoinRefused(ConfigError):
@@ -46,6 +44,9 @@ class Registration:
         self.renewals = 0
         self.failures = 0
         """Renewals that failed in a row (0 while Redis answers)."""
+        self.left = False
+        """Whether the record was deleted when the node left."""
+        self._renewing = trio.CancelScope()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Joins (raising ClusterUnreachable or JoinRefused), reports started, then renews until
@@ -57,10 +58,16 @@ class Registration:
             except STORE_ERRORS as exc:
                 raise ClusterUnreachable(redis_down(url, exc)) from None
             try:
-                task_status.started()
-                await self._renew_forever(store)
+                with self._renewing:
+                    task_status.started()
+                    await self._renew_forever(store)
             finally:
                 await self._leave()
+
+    def leave(self) -> None:
+        """Stops renewing and deletes the record now: a node that has begun to stop takes no
+        new work, so it should not be listed (nor routed to) while it finishes what it has."""
+        self._renewing.cancel()
 
     async def _join(self, store: RedisStore) -> None:
         present = await live_nodes(store, self.config.max_nodes)
@@ -96,10 +103,8 @@ class Registration:
         self.renewals += 1
 
     def _next_delay(self) -> float:
-        renew = self.config.renew_seconds
-        if not self.failures:
-            return renew
-        return min(renew * 2.0 ** min(self.failures, 16), max(renew, BACKOFF_CAP_SECONDS))
+        config = self.config
+        return retry_delay(config.renew_seconds, self.failures, config.reconnect_max_seconds)
 
     def _failed(self, url: str, exc: BaseException) -> None:
         if not self.failures:
@@ -125,6 +130,7 @@ class Registration:
                 async with open_store(self.config.redis, timeout) as store:
                     await store.delete(self.node.key)
                     await store.remove_from_set(NODES_INDEX, self.node.node_id)
+                self.left = True
             except Exception as exc:  # noqa: BLE001 (leaving is best effort: the record expires)
                 log.warning("pie: could not leave the cluster cleanly (%s)", reason(exc))
 

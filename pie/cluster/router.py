@@ -116,6 +116,17 @@ class RouterProcess:
             listed = json.load(reply)["workers"]
         return {w["url"].rstrip("/"): bool(w["is_healthy"]) for w in listed}
 
+    def remove_worker(self, url: str) -> bool:
+        """Stops routing to the worker at `url` at once (rather than after its failed health
+        checks); False when the router does not list it."""
+        with urllib.request.urlopen(f"{self.url}/workers", timeout=5) as reply:
+            listed = json.load(reply)["workers"]
+        ids = [w["id"] for w in listed if w["url"].rstrip("/") == url.rstrip("/")]
+        for worker in ids:
+            request = urllib.request.Request(f"{self.url}/workers/{worker}", method="DELETE")
+            urllib.request.urlopen(request, timeout=5).close()
+        return bool(ids)
+
     def stop(self) -> int:
         """The router's exit status, once it and anything in its process group have ended."""
         if self.process.poll() is None:

@@ -53,6 +53,14 @@ def reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def retry_delay(interval: float, failures: int, cap: float) -> float:
+    """How long a loop that runs every `interval` waits after `failures` failed tries in a row:
+    the interval, doubled at each failure, at most `cap` (or the interval, if longer)."""
+    if failures <= 0:
+        return interval
+    return min(interval * 2.0 ** min(failures, 32), max(interval, cap))
+
+
 class RedisStore:
     """An open coredis client with a deadline on every command."""
 

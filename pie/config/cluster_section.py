@@ -72,6 +72,9 @@ class ClusterConfig:
     """How often a node rewrites its record (with its current load)."""
     connect_timeout_seconds: float = field(default=3.0, validator=positive)
     """The longest connecting to Redis, or one command, may take."""
+    reconnect_max_seconds: float = field(default=5.0, validator=positive)
+    """While Redis does not answer, a node's loops (its registration, its users' poll, its bus)
+    try again after their usual interval, doubling at each failure up to this long apart."""
     max_nodes: int = field(default=256, validator=at_least(1))
     """Nodes a cluster may hold: one more is refused when it joins, and `pie cluster status`
     reads no more than this many."""

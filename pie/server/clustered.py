@@ -45,7 +45,7 @@ async def open_shared_state(config: ClusterConfig) -> AsyncIterator[SharedState]
             max_user_bytes=config.max_user_programs_mb << 20,
         )
         shared_users = SharedUsers(store, max_users=config.max_users)
-        users = MirroredUsers(shared_users, config.users_poll_seconds)
+        users = MirroredUsers(shared_users, config.users_poll_seconds, config.reconnect_max_seconds)
         try:
             await users.load()
         except (*STORE_ERRORS, UsersFull) as exc:

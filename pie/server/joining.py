@@ -60,11 +60,16 @@ async def join_cluster(
     *,
     task_status: trio.TaskStatus[Registration] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Registers this node and keeps it registered until cancelled (then it leaves)."""
+    """Registers this node and keeps it registered until cancelled or told to leave (then it
+    deletes its record)."""
     node = this_node(config, server, front)
     registration = Registration(config, node, lambda: node_load(server.engine))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(registration.run)
-        where = redacted(config.redis)
-        print(f"pie: joined the cluster at {where} as {node.node_id}", file=sys.stderr)
-        task_status.started(registration)
+    where = redacted(config.redis)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(registration.run)
+            print(f"pie: joined the cluster at {where} as {node.node_id}", file=sys.stderr)
+            task_status.started(registration)
+    finally:
+        if registration.left:
+            print(f"pie: left the cluster at {where} as {node.node_id}", file=sys.stderr)

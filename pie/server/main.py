@@ -31,6 +31,7 @@ from pie.server.ports import BoundPorts, PortUnavailable, bind_ports, listen_on
 from pie.server.routes import Route
 
 if TYPE_CHECKING:
+    from pie.cluster.registry import Registration
     from pie.server.placing import Placer
 
 __all__ = ["BoundPorts", "PortUnavailable", "bind_ports", "listen_on", "serve"]
@@ -88,14 +89,15 @@ async def _serve(
                 front = await _start_http(engine, config, server, nursery, ports.http)
                 if front is not None and announce_http is not None:
                     announce_http(front)
+                registration: Registration | None = None
                 if config.cluster.redis:
                     from pie.server.joining import join_cluster
 
-                    await nursery.start(join_cluster, config.cluster, server, front)
+                    registration = await nursery.start(join_cluster, config.cluster, server, front)
                 settle_heap()
                 if announce is not None:
                     announce(server)
-                nursery.start_soon(_on_signals, signals, server, front, nursery)
+                nursery.start_soon(_on_signals, signals, server, front, nursery, registration)
                 await server.wait_stopped()
                 if front is not None:
                     with trio.move_on_after(server.config.shutdown_seconds):
@@ -190,11 +192,19 @@ def _dashboard_routes(engine: Engine, config: EngineConfig, server: Server) -> t
 
 
 async def _on_signals(
-    signals: AsyncIterator[int], server: Server, front: HttpFront | None, nursery: trio.Nursery
+    signals: AsyncIterator[int],
+    server: Server,
+    front: HttpFront | None,
+    nursery: trio.Nursery,
+    registration: Registration | None,
 ) -> None:
+    """The first signal stops taking work (a clustered node leaves the cluster at once) and
+    lets running inferlets finish; a second stops now."""
     async for number in signals:
         if front is not None:
             front.stop()
+        if registration is not None:
+            registration.leave()
         if server.stopping:
             print("pie: stopping now", file=sys.stderr)
             nursery.cancel_scope.cancel()

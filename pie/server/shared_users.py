@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from pie.cluster.store import STORE_ERRORS, reason, redacted
+from pie.cluster.store import STORE_ERRORS, reason, redacted, retry_delay
 from pie.cluster.users import SharedUsers, UserChanged, UsersFull
 from pie.server.auth import UserChecks, UserRecord, parse_record, updated_record
 from pie.wire.challenge import AuthError
@@ -28,9 +28,14 @@ class MirroredUsers(UserChecks):
     nursery; `on_change` is called after each read that changed something (the server closes
     revoked connections then)."""
 
-    def __init__(self, shared: SharedUsers, poll_seconds: float = 0.25) -> None:
+    def __init__(
+        self, shared: SharedUsers, poll_seconds: float = 0.25, reconnect_max_seconds: float = 5.0
+    ) -> None:
         self.shared = shared
         self.poll_seconds = poll_seconds
+        self.reconnect_max_seconds = reconnect_max_seconds
+        self.failures = 0
+        """Polls that failed in a row: the next waits longer (up to reconnect_max_seconds)."""
         self.records: dict[str, dict[str, Any]] = {}
         self.version: str | None = None
         self.on_change: Callable[[], None] | None = None
@@ -56,10 +61,13 @@ class MirroredUsers(UserChecks):
     async def follow(self) -> None:
         """Reads the users again whenever they changed, until cancelled (after `load`)."""
         while True:
-            await trio.sleep(self.poll_seconds)
+            await trio.sleep(
+                retry_delay(self.poll_seconds, self.failures, self.reconnect_max_seconds)
+            )
             try:
                 await self._follow()
             except STORE_ERRORS as exc:
+                self.failures += 1
                 self._lost(exc)
             except UsersFull as err:
                 # Too many to read: keep the copy (and say so) rather than stop the server.
@@ -88,6 +96,7 @@ class MirroredUsers(UserChecks):
         self.redis_away = True
 
     def _back(self) -> None:
+        self.failures = 0
         if self.redis_away:
             log.warning(
                 "pie: read the users from Redis at %s again", redacted(self.shared.store.url)
