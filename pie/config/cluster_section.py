@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 from attrs import field, frozen
 
-from pie.config.checks import at_least, positive
+from pie.config.checks import at_least, choice, positive
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 REDIS_SCHEMES = ("redis", "rediss")
@@ -98,6 +98,17 @@ class ClusterConfig:
     bus_max_name_bytes: int = field(default=1024, validator=at_least(1))
     """The longest queue or topic name (UTF-8) a push or broadcast may use on a cluster's bus,
     which keeps names in Redis."""
+
+    max_user_snapshots: int = field(default=1024, validator=at_least(1))
+    """Entries a user may hold in the cluster's directory of named snapshots: a save of one
+    more is refused `quota` (the directory lives in Redis, shared by every user)."""
+
+    remote_snapshots: str = field(default="place", validator=choice("place", "copy"))
+    """Opening a snapshot another node holds: "place" refuses the open naming the holder (a
+    launch that names its snapshots runs there); "copy" copies its KV pages from the holder."""
+
+    max_snapshot_copy_mb: int = field(default=256, validator=at_least(1))
+    """The largest snapshot (its KV pages) a node copies from another, or serves to one."""
 
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:

@@ -19,7 +19,7 @@ from pie.actors.runtime import Router
 from pie.config import EngineConfig
 from pie.dataplane import BatchFormer, BatchPolicy, Lanes, Speaker, SpeechDesk
 from pie.dataplane.tape import RecordingFormer
-from pie.drivers.base import Driver, DriverInfo
+from pie.drivers.base import Driver, DriverInfo, PageTransfer, page_transfer
 from pie.events.batching import EngineStarted, FormerStep, FormerSteps
 
 Elsewhere = Callable[[tuple[str, str]], str | None]
@@ -48,6 +48,10 @@ class ModelStack:
     @property
     def kv_address(self) -> str:
         return self.kv.address
+
+    def page_transfer(self) -> PageTransfer | None:
+        """The driver's whole-page KV reads and writes (None: it has none)."""
+        return page_transfer(self.driver)
 
     def started(self, config: EngineConfig, count: int) -> EngineStarted:
         """The log's record of what this model's kv core and batch former were built with

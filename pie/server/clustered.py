@@ -1,20 +1,29 @@
 """What a clustered node shares through Redis besides its registration: the programs users
-installed and the users themselves, on one Redis client opened for the server's life."""
+installed, the users themselves and the directory of named snapshots, on one Redis client
+opened for the server's life."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import trio
 from attrs import frozen
 
 from pie.cluster.programs import SharedPrograms
+from pie.cluster.snapshots import SnapshotDirectory, node_secret
 from pie.cluster.store import STORE_ERRORS, ClusterUnreachable, open_store, redis_down
 from pie.cluster.users import SharedUsers, UsersFull
 from pie.config import ClusterConfig, ConfigError
 from pie.server.app import Server
+from pie.server.routes import Route
+from pie.server.shared_snapshots import NodeSnapshots
 from pie.server.shared_users import MirroredUsers
+from pie.server.snapshot_copy import copy_route
+
+if TYPE_CHECKING:
+    from pie.engine import Engine
 
 
 @frozen(kw_only=True)
@@ -22,6 +31,9 @@ class SharedState:
     programs: SharedPrograms
     users: MirroredUsers
     """Loaded at open; start `users.run` to follow changes."""
+    snapshots: SnapshotDirectory
+    secret: str
+    """The cluster's node secret: what a node shows to copy another's snapshot pages."""
 
 
 @contextlib.asynccontextmanager
@@ -37,12 +49,14 @@ async def open_shared_state(config: ClusterConfig) -> AsyncIterator[SharedState]
         )
         shared_users = SharedUsers(store, max_users=config.max_users)
         users = MirroredUsers(shared_users, config.users_poll_seconds)
+        snapshots = SnapshotDirectory(store, max_user_entries=config.max_user_snapshots)
         try:
             await users.load()
+            secret = await node_secret(store)
         except (*STORE_ERRORS, UsersFull) as exc:
             failure = exc  # raised outside the client's context (see check_reachable)
         else:
-            yield SharedState(programs=programs, users=users)
+            yield SharedState(programs=programs, users=users, snapshots=snapshots, secret=secret)
     if isinstance(failure, UsersFull):
         raise ConfigError(str(failure)) from None
     if failure is not None:
@@ -54,3 +68,25 @@ def follow_users(shared: SharedState, server: Server, nursery: trio.Nursery) -> 
     connections it revoked at once, not at the next credential check."""
     shared.users.on_change = server.check_credentials
     nursery.start_soon(shared.users.follow)
+
+
+async def share_snapshots(
+    shared: SharedState, config: ClusterConfig, engine: Engine, nursery: trio.Nursery
+) -> list[NodeSnapshots]:
+    """Puts every served model's named snapshots in the cluster's directory (those rebuilt at
+    start first) and keeps it told of each change; `config.node_id` must be set."""
+    assert config.node_id, "a clustered node is named before its snapshots are shared"
+    nodes = []
+    for stack in engine.models:
+        node = NodeSnapshots(
+            shared.snapshots, config, engine, stack, secret=shared.secret, nursery=nursery
+        )
+        await node.publish_all()
+        stack.kv.shared = node
+        nodes.append(node)
+    return nodes
+
+
+def snapshot_routes(shared: SharedState, config: ClusterConfig, engine: Engine) -> tuple[Route]:
+    """The HTTP route other nodes copy this node's snapshots through."""
+    return (copy_route(engine, shared.secret, config.max_snapshot_copy_mb << 20),)

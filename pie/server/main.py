@@ -77,11 +77,18 @@ async def _serve(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
+                extra: tuple[Route, ...] = ()
                 if shared is not None:
-                    from pie.server.clustered import follow_users
+                    from pie.server.clustered import (
+                        follow_users,
+                        share_snapshots,
+                        snapshot_routes,
+                    )
 
                     follow_users(shared, server, nursery)
-                front = await _start_http(engine, config, server, nursery, ports.http)
+                    await share_snapshots(shared, config.cluster, engine, nursery)
+                    extra = snapshot_routes(shared, config.cluster, engine)
+                front = await _start_http(engine, config, server, nursery, ports.http, extra)
                 if front is not None and announce_http is not None:
                     announce_http(front)
                 if config.cluster.redis:
@@ -128,6 +135,7 @@ async def _start_http(
     server: Server,
     nursery: trio.Nursery,
     sockets: list[socket.socket],
+    cluster_routes: tuple[Route, ...] = (),
 ) -> HttpFront | None:
     """The HTTP front with its programs, the metrics routes and the pages a router in front of
     several nodes reads (discovery.py); without [http] port, a front serving only the metrics
@@ -145,6 +153,7 @@ async def _start_http(
     if config.http.port >= 0:
         routes += discovery_routes([stack.name for stack in engine.models])
         routes += _dashboard_routes(engine, config, server)
+        routes += cluster_routes
     front = HttpFront(
         engine,
         http,

@@ -102,6 +102,10 @@ class KvCore(PassPlacement):
                 return [(event.requester, ev.Done(corr=event.corr))]
             case ev.DescribeContext():
                 return [(event.requester, self._describe(event))]
+            case ev.LendSnapshot():
+                return [(event.requester, self._lend(event))]
+            case ev.ImportPages():
+                return [(event.requester, self._import(event))]
             case ev.ReleaseRequester():
                 for context in [
                     c for c, ch in self.contexts.items() if ch.owner == event.requester
@@ -139,6 +143,40 @@ class KvCore(PassPlacement):
         self.pool.share(chain.held())
         self.snapshots[key] = snapshot
         return [(event.requester, ev.Done(corr=event.corr))]
+
+    def _lend(self, event: ev.LendSnapshot) -> ev.SnapshotLent:
+        snapshot = self._snapshot((event.user, event.name))
+        pages = snapshot.held()
+        lease = self._next_lease
+        self._next_lease += 1
+        self.pool.pin(pages)
+        self.leases[lease] = pages
+        plain = not (
+            snapshot.masked or snapshot.adapter_runs or snapshot.mask_runs or snapshot.media_runs
+        )
+        return ev.SnapshotLent(
+            corr=event.corr,
+            lease=lease,
+            tokens=tuple(snapshot.tokens),
+            positions=tuple(snapshot.positions),
+            pages=tuple(pages),
+            plain=plain,
+        )
+
+    def _import(self, event: ev.ImportPages) -> ev.PagesPlaced:
+        # Placed as a pass without slots: the same checks, pages, prefix reuse and commit.
+        chain = self._owned(event.context, event.requester)
+        if chain.tokens:
+            raise RequestError("invalid", "pages are imported into an empty context only")
+        submit = ev.SubmitForward(
+            corr=event.corr,
+            requester=event.requester,
+            context=event.context,
+            tokens=event.tokens,
+            positions=event.positions,
+        )
+        request = self._place(submit)
+        return ev.PagesPlaced(corr=event.corr, pages=request.pages, kv_start=request.kv_start)
 
     def _delete_snapshot(self, key: tuple[str, str]) -> None:
         self._release_chain(self.snapshots.pop(key).held())
