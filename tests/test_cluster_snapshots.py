@@ -237,17 +237,20 @@ async def test_copy_brings_the_pages_over_and_continues_exactly_as_on_the_holder
 
 
 @pytest.mark.integration
-async def test_a_tampered_chain_a_foreign_entry_and_a_caller_without_the_secret_are_refused(
+async def test_a_bad_chain_a_foreign_entry_a_full_quota_and_a_caller_without_the_secret_fail(
     model_dir: Path,
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
     url = redis_server.url
+    small = {"snapshot_page_share": 0.05}  # 3 of 64 pages: the copy's 6 do not fit
     async with (
         node(model_dir, url, "node-a") as a,
         node(model_dir, url, "node-b", remote_snapshots="copy") as b,
+        node(model_dir, url, "node-c", remote_snapshots="copy", kv=small) as c,
     ):
         model = a.engine.models[0].name
         await save(a.engine, "essay")
+        over = await refusal(c.engine, "essay")
         free = b.engine.kv.core.pool.free
         good = await entry(url, model, "ada", "essay")
         key = "pie:snap:" + hashlib.sha256(f"{model}\0ada\0essay".encode()).hexdigest()[:32]
@@ -275,6 +278,8 @@ async def test_a_tampered_chain_a_foreign_entry_and_a_caller_without_the_secret_
                 json={**query, "user": "bob"},
                 headers={"x-pie-node-secret": a.shared.secret},
             )
+    assert over.kind == "snapshot-copy-failed" and "snapshot_quota" in over.message
+    assert c.engine.kv.core.pool.free == 64 and not c.engine.kv.core.snapshots
     assert tampered.kind == "snapshot-copy-failed" and "do not hash" in tampered.message
     assert pages_left == free, "a refused copy leaves no page behind"
     assert foreign.kind == "no_such_snapshot"
