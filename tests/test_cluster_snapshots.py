@@ -77,7 +77,8 @@ async def node(
         await nursery.start(front.run)
         record = NodeRecord(node_id=node_id, ws_url=f"ws://{node_id}:8080", http_url=front.url)
         if register:
-            await nursery.start(Registration(config.cluster, record, NodeLoad).run)
+            registration = Registration(config.cluster, record, NodeLoad, nodes[0].redis_back)
+            await nursery.start(registration.run)
         yield SimpleNamespace(
             engine=engine, front=front, shared=shared, snapshots=nodes[0], record=record
         )
@@ -288,3 +289,47 @@ async def test_a_bad_chain_a_foreign_entry_a_full_quota_and_a_caller_without_the
     assert bare.json()["error"]["code"] == "forbidden"
     assert right.status_code == 200 and right.content.startswith(MAGIC)
     assert as_bob.status_code == 404
+
+
+async def eventually(check: Any, seconds: float = 15.0) -> None:
+    with trio.fail_after(seconds):
+        while not await check():
+            await trio.sleep(0.1)
+
+
+@pytest.mark.integration
+async def test_a_node_enters_its_snapshots_again_after_redis_restarts_empty(
+    model_dir: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    url = redis_server.url
+    quick = {"renew_seconds": 0.2, "ttl_seconds": 2.0, "connect_timeout_seconds": 1.0}
+    async with node(model_dir, url, "node-a", **quick) as a:
+        model = a.engine.models[0].name
+        await save(a.engine, "kept")
+        await save(a.engine, "gone")
+        redis_server.stop()
+        async with a.engine.requester() as requester:
+            await requester.delete_snapshot("gone", user="ada")  # Redis away: local only
+        redis_server.start()  # empty: every entry is lost
+
+        async def kept_back() -> bool:
+            return bool(await entry(url, model, "ada", "kept"))
+
+        await eventually(kept_back)
+        back = await entry(url, model, "ada", "kept")
+        gone = await entry(url, model, "ada", "gone")
+        # An entry left naming this node for a snapshot it no longer holds is cleared too.
+        async with open_store(url, 3.0) as store:
+            ghost = "pie:snap:" + hashlib.sha256(f"{model}\0ada\0ghost".encode()).hexdigest()[:32]
+            await store.client.hset(ghost, {**back, "name": "ghost"})
+            await store.client.sadd("pie:snaps", [ghost.removeprefix("pie:snap:")])
+        a.snapshots.redis_back()
+
+        async def ghost_gone() -> bool:
+            return not await entry(url, model, "ada", "ghost")
+
+        await eventually(ghost_gone)
+        left = await members(url, "pie:snaps")
+    assert back["node"] == "node-a" and not gone
+    assert len(left) == 1

@@ -172,6 +172,15 @@ class SnapshotDirectory:
             ids = await self.store.client.smembers(USER_SNAPSHOTS_PREFIX + user)
         return [e for e in await self._read([_text(i) for i in ids]) if e.user == user]
 
+    async def held_by(self, node: str, model: str) -> list[SnapshotEntry]:
+        """Every entry of `model` naming `node`: a scan of the whole directory (for a node
+        catching up after Redis was away, not for every command)."""
+        ids: list[str] = []
+        with trio.fail_after(self.store.timeout * 10):
+            async for member in self.store.client.sscan_iter(SNAPSHOTS_INDEX, count=500):
+                ids.append(_text(member))
+        return [e for e in await self._read(ids) if e.node == node and e.model == model]
+
     async def holder(self, node: str) -> NodeRecord | None:
         """The live node called `node`, or None when its record has expired."""
         values = await self.store.get_many([node_key(node)])

@@ -70,6 +70,28 @@ def follow_users(shared: SharedState, server: Server, nursery: trio.Nursery) -> 
     nursery.start_soon(shared.users.follow)
 
 
+@frozen(kw_only=True, eq=False)
+class SharedNode:
+    """What a clustered server adds to its HTTP front, and whom it tells that Redis is back."""
+
+    routes: tuple[Route, ...]
+    snapshots: tuple[NodeSnapshots, ...]
+
+    def redis_back(self) -> None:
+        for node in self.snapshots:
+            node.redis_back()
+
+
+async def share_node(
+    shared: SharedState, config: ClusterConfig, server: Server, nursery: trio.Nursery
+) -> SharedNode:
+    """Follows the cluster's users and shares the node's named snapshots."""
+    follow_users(shared, server, nursery)
+    snapshots = await share_snapshots(shared, config, server.engine, nursery)
+    routes = snapshot_routes(shared, config, server.engine)
+    return SharedNode(routes=routes, snapshots=tuple(snapshots))
+
+
 async def share_snapshots(
     shared: SharedState, config: ClusterConfig, engine: Engine, nursery: trio.Nursery
 ) -> list[NodeSnapshots]:

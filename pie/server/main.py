@@ -77,24 +77,20 @@ async def _serve(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
-                extra: tuple[Route, ...] = ()
+                node = None
                 if shared is not None:
-                    from pie.server.clustered import (
-                        follow_users,
-                        share_snapshots,
-                        snapshot_routes,
-                    )
+                    from pie.server.clustered import share_node
 
-                    follow_users(shared, server, nursery)
-                    await share_snapshots(shared, config.cluster, engine, nursery)
-                    extra = snapshot_routes(shared, config.cluster, engine)
-                front = await _start_http(engine, config, server, nursery, ports.http, extra)
+                    node = await share_node(shared, config.cluster, server, nursery)
+                routes = node.routes if node is not None else ()
+                front = await _start_http(engine, config, server, nursery, ports.http, routes)
                 if front is not None and announce_http is not None:
                     announce_http(front)
-                if config.cluster.redis:
+                if node is not None:
                     from pie.server.joining import join_cluster
 
-                    await nursery.start(join_cluster, config.cluster, server, front)
+                    back = node.redis_back
+                    await nursery.start(join_cluster, config.cluster, server, front, back)
                 settle_heap()
                 if announce is not None:
                     announce(server)

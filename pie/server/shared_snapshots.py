@@ -54,17 +54,58 @@ class NodeSnapshots:
         self.nursery = nursery
         self.copies = 0
         """Snapshots copied from other nodes."""
+        self._catching_up = False
 
     async def publish_all(self) -> None:
         """(Re)writes the entries of every snapshot this model holds now (those rebuilt from
-        disk at start): a restarted node names itself again as their holder."""
+        disk at start): a restarted node names itself again as their holder. Raises
+        STORE_ERRORS."""
         for (user, name), snapshot in list(self.stack.kv.core.snapshots.items()):
             try:
-                await self.saved(user, name, snapshot)
-            except DirectoryRefused as refused:
-                log.warning("named snapshots: %r of %r left out: %s", name, user, refused)
+                await self._enter(user, name, snapshot)
+            except DirectoryFull as full:
+                log.warning("named snapshots: %r of %r left out: %s", name, user, full)
+
+    def redis_back(self) -> None:
+        """Redis answers again after failing: the directory may have lost entries (a restart
+        without its data) or kept ones this node removed meanwhile; catch up in the background."""
+        if not self._catching_up:
+            self._catching_up = True
+            self.nursery.start_soon(self._catch_up)
+
+    async def _catch_up(self) -> None:
+        delay = self.config.renew_seconds
+        try:
+            while True:
+                try:
+                    await self.reconcile()
+                except STORE_ERRORS:
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+                else:
+                    log.warning("named snapshots: the directory holds this node's entries again")
+                    return
+        finally:
+            self._catching_up = False
+
+    async def reconcile(self) -> None:
+        """Removes the entries naming this node for snapshots it no longer holds, and enters
+        every snapshot it holds; raises STORE_ERRORS."""
+        held = self.stack.kv.core.snapshots
+        for entry in await self.directory.held_by(self.node_id, self.stack.name):
+            if (entry.user, entry.name) not in held:
+                await self.directory.remove(entry.model, entry.user, entry.name, self.node_id)
+        await self.publish_all()
 
     async def saved(self, user: str, name: str, snapshot: Chain) -> None:
+        try:
+            await self._enter(user, name, snapshot)
+        except DirectoryFull as full:
+            raise DirectoryRefused("quota", str(full)) from None
+        except STORE_ERRORS as exc:
+            self._unwritten(f"the entry of {name!r} of {user!r}", exc)
+
+    async def _enter(self, user: str, name: str, snapshot: Chain) -> None:
         entry = SnapshotEntry(
             model=self.stack.name,
             user=user,
@@ -75,12 +116,7 @@ class NodeSnapshots:
             chain=tuple(h.hex() for h in snapshot.hashes),
             saved_at=time.time(),
         )
-        try:
-            await self.directory.put(entry)
-        except DirectoryFull as full:
-            raise DirectoryRefused("quota", str(full)) from None
-        except STORE_ERRORS as exc:
-            self._unwritten(f"the entry of {name!r} of {user!r}", exc)
+        await self.directory.put(entry)
 
     async def removed(self, user: str, name: str) -> None:
         try:
@@ -177,9 +213,10 @@ class NodeSnapshots:
     def _unwritten(self, what: str, exc: BaseException) -> None:
         where = redacted(self.directory.store.url)
         log.warning(
-            "named snapshots: %s was not written to the directory at %s (%s); the snapshot "
-            "stays on this node and is entered again at its next start",
+            "named snapshots: %s was not written to the directory at %s (%s); the node "
+            "catches up when Redis answers again",
             what,
             where,
             reason(exc),
         )
+        self.redis_back()
