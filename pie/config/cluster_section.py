@@ -110,6 +110,10 @@ class ClusterConfig:
     max_snapshot_copy_mb: int = field(default=256, validator=at_least(1))
     """The largest snapshot (its KV pages) a node copies from another, or serves to one."""
 
+    snapshot_copies: int = field(default=2, validator=at_least(1))
+    """Copies a node makes at once, and copies it serves at once: each holds up to
+    max_snapshot_copy_mb in memory while it travels."""
+
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:
             raise ValueError(

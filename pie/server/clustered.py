@@ -99,9 +99,16 @@ async def share_snapshots(
     start first) and keeps it told of each change; `config.node_id` must be set."""
     assert config.node_id, "a clustered node is named before its snapshots are shared"
     nodes = []
+    copies = trio.CapacityLimiter(config.snapshot_copies)
     for stack in engine.models:
         node = NodeSnapshots(
-            shared.snapshots, config, engine, stack, secret=shared.secret, nursery=nursery
+            shared.snapshots,
+            config,
+            engine,
+            stack,
+            secret=shared.secret,
+            nursery=nursery,
+            copies=copies,
         )
         await node.publish_all()
         stack.kv.shared = node
@@ -111,4 +118,5 @@ async def share_snapshots(
 
 def snapshot_routes(shared: SharedState, config: ClusterConfig, engine: Engine) -> tuple[Route]:
     """The HTTP route other nodes copy this node's snapshots through."""
-    return (copy_route(engine, shared.secret, config.max_snapshot_copy_mb << 20),)
+    serving = trio.CapacityLimiter(config.snapshot_copies)
+    return (copy_route(engine, shared.secret, config.max_snapshot_copy_mb << 20, serving),)

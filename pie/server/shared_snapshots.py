@@ -44,7 +44,9 @@ class NodeSnapshots:
         *,
         secret: str,
         nursery: trio.Nursery,
+        copies: trio.CapacityLimiter,
     ) -> None:
+        """`copies` bounds the copies the node makes at once (all its models together)."""
         self.directory = directory
         self.config = config
         self.node_id = config.node_id
@@ -52,6 +54,7 @@ class NodeSnapshots:
         self.stack = stack
         self.secret = secret
         self.nursery = nursery
+        self.copying = copies
         self.copies = 0
         """Snapshots copied from other nodes."""
         self._catching_up = False
@@ -195,12 +198,13 @@ class NodeSnapshots:
             raise CopyFailed(f"{holder.node_id} serves no HTTP front to copy from")
         limit = self.config.max_snapshot_copy_mb << 20
         timeout = max(30.0, self.config.connect_timeout_seconds)
-        transfer = await fetch(
-            holder.http_url, self.secret, entry, max_bytes=limit, timeout=timeout
-        )
-        core = self.stack.kv.core
-        check_chain(transfer, entry, core.prefix_cache, core.page_size)
-        await install(self.engine, self.stack, transfer, entry)
+        async with self.copying:
+            transfer = await fetch(
+                holder.http_url, self.secret, entry, max_bytes=limit, timeout=timeout
+            )
+            core = self.stack.kv.core
+            check_chain(transfer, entry, core.prefix_cache, core.page_size)
+            await install(self.engine, self.stack, transfer, entry)
         self.copies += 1
         log.info("named snapshots: copied %r of %r from %s", entry.name, entry.user, entry.node)
 

@@ -47,8 +47,9 @@ class Transfer:
     data: bytes
 
 
-def copy_route(engine: Engine, secret: str, max_bytes: int) -> Route:
-    """POST COPY_PATH {"model", "user", "name"}: the snapshot's KV pages, for another node."""
+def copy_route(engine: Engine, secret: str, max_bytes: int, serving: trio.CapacityLimiter) -> Route:
+    """POST COPY_PATH {"model", "user", "name"}: the snapshot's KV pages, for another node;
+    `serving` bounds how many are read out at once."""
 
     async def answer(scope: Scope, receive: Receive, send: Send, user: str | None) -> None:
         if not _shows(scope, secret):
@@ -63,7 +64,8 @@ def copy_route(engine: Engine, secret: str, max_bytes: int) -> Route:
         except (ValueError, KeyError) as err:
             await refuse(send, 400, str(err).strip("'\""), "invalid")
             return
-        status, body = await _lend(engine, stack, owner, name, max_bytes)
+        async with serving:
+            status, body = await _lend(engine, stack, owner, name, max_bytes)
         kind = "application/octet-stream" if status == 200 else "application/json"
         await respond(send, status, body, kind)
 
