@@ -33,7 +33,10 @@ from pie.server.clustered import open_shared_state, share_snapshots, snapshot_ro
 from pie.server.http import HttpFront
 from pie.server.mounts import Mounts
 from pie.server.snapshot_copy import COPY_PATH, MAGIC
+from tests.inferlet_fixtures import GUESTS
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.redis_fixtures import RedisServer, redis_server  # noqa: F401
+from tests.server_fixtures import PYTEST_CACHE, precompiled
 from tests.tiny_models import save_tiny_model
 
 PROMPT = [5, 9, 33, 71, 2, 18, 40, 41, 42, 43, 44, 45, 46, 47, 48, 60, 61, 62, 63, 64, 65]
@@ -48,9 +51,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def relay(built: Any) -> bytes:  # noqa: F811
+    """The server tests' guest (built and compiled once for them all): it saves a text under a
+    name, or opens a name and answers its token count or the error."""
+    return precompiled(built(GUESTS / "relay").read_bytes())
+
+
 def node_config(model_dir: Path, url: str, node_id: str, **cluster: Any) -> Any:
     return config_from_dict(
         {
+            "sandbox": {"cache_dir": str(PYTEST_CACHE / "pie-components")},
             "model": {"path": str(model_dir), "dtype": "float32", "device": "cpu"},
             "kv": {"num_pages": 64, "page_size": 4, **cluster.pop("kv", {})},
             "cluster": {"redis": url, "node_id": node_id, **cluster},
@@ -333,3 +344,30 @@ async def test_a_node_enters_its_snapshots_again_after_redis_restarts_empty(
         left = await members(url, "pie:snaps")
     assert back["node"] == "node-a" and not gone
     assert len(left) == 1
+
+
+async def program(engine: Engine, wasm: bytes, request: dict[str, Any]) -> Any:
+    digest = engine.programs.add(wasm).hash
+    with trio.fail_after(120):
+        outcome = await engine.run_inferlet(digest, json.dumps(request), user="ada")
+    assert outcome.ok, outcome.error
+    return outcome.result  # a number as JSON, or the error as it is
+
+
+@pytest.mark.integration
+async def test_a_program_on_another_node_is_told_where_the_snapshot_is_or_gets_a_copy(
+    model_dir: Path,
+    relay: bytes,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    url = redis_server.url
+    async with (
+        node(model_dir, url, "node-a") as a,
+        node(model_dir, url, "node-b") as b,
+        node(model_dir, url, "node-c", remote_snapshots="copy") as c,
+    ):
+        saved = await program(a.engine, relay, {"mode": "save", "name": "notes", "text": "hi " * 9})
+        on_b = await program(b.engine, relay, {"mode": "open", "name": "notes"})
+        on_c = await program(c.engine, relay, {"mode": "open", "name": "notes"})
+    assert on_b.startswith("error: snapshot-elsewhere: snapshot 'notes' is held by node-a")
+    assert int(saved) == int(on_c) > 4, "c opened its copy, every token of it"
