@@ -27,6 +27,7 @@ from pie.cluster.status import read_status
 from pie.cluster.store import open_store
 from pie.config import config_from_dict
 from pie.engine import Engine, open_engine
+from pie.engine.replay import replay_cores
 from pie.events.kv import DropSnapshots
 from pie.events.sampling import Argmax, RawLogits, SamplingSlot
 from pie.server.clustered import open_shared_state, share_snapshots, snapshot_routes
@@ -203,6 +204,7 @@ async def test_place_names_the_holder_and_an_expired_holder_makes_the_snapshot_l
         async with b.engine.requester() as requester:
             await requester.delete_snapshot("plan", user="ada")
         cleared = await read_status(url, 3.0, 256)
+        [replayed] = replay_cores(b.engine.log.records(), only="kv")
     assert elsewhere.kind == "snapshot-elsewhere" and take.kind == "snapshot-elsewhere"
     assert "held by node-a (ws://node-a:8080)" in elsewhere.message
     assert lost.kind == "snapshot-lost"
@@ -220,6 +222,7 @@ async def test_place_names_the_holder_and_an_expired_holder_makes_the_snapshot_l
         "  LOST (its node is gone)"
     ]
     assert cleared.snapshots == (), "deleting a lost snapshot clears its entry"
+    assert replayed.result.mismatches == ()
 
 
 @pytest.mark.integration
@@ -240,12 +243,16 @@ async def test_copy_brings_the_pages_over_and_continues_exactly_as_on_the_holder
         copied = b.engine.kv.core.snapshots[("ada", "essay")]
         now = await entry(url, a.engine.models[0].name, "ada", "essay")
         leases = a.engine.kv.core.leases
+        [replayed] = replay_cores(b.engine.log.records(), only="kv")
     assert on_b[0] == on_a[0], "the same greedy tokens"
     assert max(abs(x - y) for x, y in zip(on_a[1], on_b[1], strict=True)) < 1e-5
     assert computed == 1 + 8, "b computed the new tokens only, none of the snapshot's"
     assert copied.tokens == PROMPT and b.snapshots.copies == 1
     assert now["node"] == "node-b", "the copy is saved on b, which the directory now names"
     assert leases == {}, "the holder's pages are unpinned after the copy"
+    # The copy's steps are the kv core's inputs and its hand-off to the directory an output:
+    # its event log replays exactly.
+    assert replayed.result.mismatches == () and replayed.result.inputs > 10
 
 
 @pytest.mark.integration

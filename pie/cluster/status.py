@@ -131,7 +131,11 @@ async def read_status(url: str, timeout: float, limit: int) -> ClusterStatus:
 async def _snapshots(
     store: RedisStore, status: ClusterStatus
 ) -> tuple[tuple[ListedSnapshot, ...], bool]:
-    """The directory's entries, each marked lost when its node is not among the live ones."""
+    """The directory's entries, each marked lost when its node's record has expired (read for
+    each node named, so a node left out of a truncated listing is not taken for lost)."""
     entries, more = await SnapshotDirectory(store, max_user_entries=1).listed()
     live = {node.node_id for node in status.nodes} | set(status.unreadable)
+    unknown = sorted({e.node for e in entries} - live)
+    records = await store.get_many([node_key(n) for n in unknown])
+    live |= {n for n, record in zip(unknown, records, strict=True) if record is not None}
     return tuple(ListedSnapshot(entry=e, lost=e.node not in live) for e in entries), more

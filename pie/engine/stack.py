@@ -68,7 +68,13 @@ class ModelStack:
             adapters=self.info.adapters,
             index=self.index,
             count=count,
+            directory=self.kv.core.directory,
         )
+
+
+def directory_address(kv_address: str) -> str:
+    """Where a clustered node's kv actor at `kv_address` hands snapshots it lacks."""
+    return f"{kv_address}.directory"
 
 
 def addresses(index: int, name: str) -> tuple[str, str]:
@@ -95,7 +101,8 @@ def build_stack(
         max_batch_requests=min(scheduler.max_batch_requests, info.max_batch_requests),
         decode_tokens=scheduler.decode_tokens,
     )
-    core = kv_core(config, info, index=index, count=count, elsewhere=elsewhere)
+    directory = directory_address(kv_address) if config.cluster.redis else None
+    core = kv_core(config, info, index=index, count=count, elsewhere=elsewhere, directory=directory)
     store = _store(config, index, info.model_name)
     media = getattr(driver, "media", None)
     kv = KvActor(core, router, store, address=kv_address, media=media)
@@ -156,6 +163,7 @@ def kv_core(
     index: int,
     count: int,
     elsewhere: Elsewhere | None = None,
+    directory: str | None = None,
 ) -> KvCore:
     """The kv core of the model at `index` of `count`; `info` has the driver's figures
     (model_name, num_pages, page_size, vocab_size, sliding_window, adapters)."""
@@ -175,6 +183,7 @@ def kv_core(
         context_ids=(index + 1, count),
         model=info.model_name,
         elsewhere=elsewhere,
+        directory=directory,
     )
 
 

@@ -262,6 +262,21 @@ class RequestFailed:
 
 
 @frozen(kw_only=True)
+class SnapshotMissing:
+    """To a clustered node's directory of named snapshots: a command on a snapshot this kv core
+    lacks, which the directory answers (another node may hold it)."""
+
+    corr: int
+    requester: str
+    name: str
+    user: str
+    take: bool = False
+    delete: bool = False
+    message: str
+    """The answer when no node holds it (what the core would have answered alone)."""
+
+
+@frozen(kw_only=True)
 class SnapshotLent:
     """A snapshot's tokens and the pool pages holding their KV, pinned under `lease`. `plain`
     is False when its KV also depends on more than its tokens and positions (adapters, custom

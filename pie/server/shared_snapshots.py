@@ -18,6 +18,7 @@ from pie.cluster.records import NodeRecord
 from pie.cluster.snapshots import DirectoryFull, SnapshotDirectory, SnapshotEntry
 from pie.cluster.store import STORE_ERRORS, reason, redacted
 from pie.config import ClusterConfig
+from pie.engine.stack import directory_address
 from pie.events import kv as ev
 from pie.server.snapshot_copy import CopyFailed, check_chain, fetch, install
 
@@ -27,13 +28,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Missing = ev.OpenContext | ev.DeleteSnapshot
 Reply = ev.Done | ev.RequestFailed
 
 
 class NodeSnapshots:
-    """The directory as the kv actor of `stack` sees it (pie.actors.kv.actor.SharedSnapshots);
-    lookups of missing snapshots run in `nursery`, so the kv actor never waits on them."""
+    """The directory as the kv actor of `stack` sees it (pie.actors.kv.actor.SharedSnapshots),
+    and the address its kv core hands snapshots it lacks to; those are looked up in `nursery`,
+    so the kv actor never waits on them."""
 
     def __init__(
         self,
@@ -58,6 +59,8 @@ class NodeSnapshots:
         self.copies = 0
         """Snapshots copied from other nodes."""
         self._catching_up = False
+        self.address = directory_address(stack.kv_address)
+        engine.router.register_handler(self.address, ev.SnapshotMissing, self._missing)
 
     async def publish_all(self) -> None:
         """(Re)writes the entries of every snapshot this model holds now (those rebuilt from
@@ -135,11 +138,14 @@ class NodeSnapshots:
         except STORE_ERRORS as exc:
             self._unwritten(f"the removal of the snapshots of {user!r}", exc)
 
-    def missing(self, event: Missing, failed: ev.RequestFailed) -> bool:
-        self.nursery.start_soon(self._resolve, event, failed)
-        return True
+    def _missing(self, event: ev.SnapshotMissing) -> None:
+        try:
+            self.nursery.start_soon(self._resolve, event)
+        except RuntimeError:
+            pass  # the node is stopping, and its requesters with it
 
-    async def _resolve(self, event: Missing, failed: ev.RequestFailed) -> None:
+    async def _resolve(self, event: ev.SnapshotMissing) -> None:
+        failed = ev.RequestFailed(corr=event.corr, kind="no_such_snapshot", message=event.message)
         try:
             reply = await self._elsewhere(event, failed)
         except STORE_ERRORS as exc:
@@ -159,7 +165,7 @@ class NodeSnapshots:
         if reply is not None:
             self._answer(event.requester, reply)
 
-    async def _elsewhere(self, event: Missing, failed: ev.RequestFailed) -> Reply | None:
+    async def _elsewhere(self, event: ev.SnapshotMissing, failed: ev.RequestFailed) -> Reply | None:
         """The answer to a command on a snapshot this node lacks (None: the open was sent to
         the kv actor again after a copy)."""
         entry = await self.directory.lookup(self.stack.name, event.user, event.name)
@@ -170,16 +176,19 @@ class NodeSnapshots:
         holder = await self.directory.holder(entry.node)
         if holder is None:
             return await self._lost(event, entry)
-        if isinstance(event, ev.DeleteSnapshot) or event.take:
+        if event.delete or event.take:
             return self._elsewhere_failure(event, holder, "delete or take it there")
         if self.config.remote_snapshots == "place":
             return self._elsewhere_failure(event, holder, "launch the program there")
         await self._copy(entry, holder)
-        self.engine.router.send_nowait(event.requester, self.stack.kv_address, event)
+        again = ev.OpenContext(
+            corr=event.corr, requester=event.requester, name=event.name, user=event.user
+        )
+        self.engine.router.send_nowait(event.requester, self.stack.kv_address, again)
         return None
 
-    async def _lost(self, event: Missing, entry: SnapshotEntry) -> Reply:
-        if isinstance(event, ev.DeleteSnapshot):
+    async def _lost(self, event: ev.SnapshotMissing, entry: SnapshotEntry) -> Reply:
+        if event.delete:
             # Deleting a lost snapshot clears its entry, which counted against the user's cap.
             await self.directory.remove(entry.model, entry.user, entry.name, entry.node)
             return ev.Done(corr=event.corr)
@@ -189,7 +198,9 @@ class NodeSnapshots:
         )
         return ev.RequestFailed(corr=event.corr, kind="snapshot-lost", message=message)
 
-    def _elsewhere_failure(self, event: Missing, holder: NodeRecord, advice: str) -> Reply:
+    def _elsewhere_failure(
+        self, event: ev.SnapshotMissing, holder: NodeRecord, advice: str
+    ) -> Reply:
         message = f"snapshot {event.name!r} is held by {holder.node_id} ({holder.ws_url}): {advice}"
         return ev.RequestFailed(corr=event.corr, kind="snapshot-elsewhere", message=message)
 
@@ -210,7 +221,7 @@ class NodeSnapshots:
 
     def _answer(self, requester: str, reply: Any) -> None:
         try:
-            self.engine.router.send_nowait(self.stack.kv_address, requester, reply)
+            self.engine.router.send_nowait(self.address, requester, reply)
         except (UnknownAddress, MailboxOverrun, UnexpectedEvent):
             pass  # the requester is gone: nobody is left to tell
 

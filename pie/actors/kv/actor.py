@@ -32,7 +32,8 @@ class DirectoryRefused(Exception):
 
 
 class SharedSnapshots(Protocol):
-    """A clustered node's directory of named snapshots, as the kv actor tells it of changes."""
+    """A clustered node's directory of named snapshots, as the kv actor tells it of changes
+    (commands on snapshots the core lacks reach it as `SnapshotMissing` events instead)."""
 
     async def saved(self, user: str, name: str, snapshot: Chain) -> None:
         """Enters the snapshot just saved; raises DirectoryRefused to undo the save."""
@@ -40,10 +41,6 @@ class SharedSnapshots(Protocol):
     async def removed(self, user: str, name: str) -> None: ...
 
     async def dropped(self, user: str) -> None: ...
-
-    def missing(self, event: ev.OpenContext | ev.DeleteSnapshot, failed: ev.RequestFailed) -> bool:
-        """A snapshot this node lacks: True when the directory takes the command over (and
-        answers it later), False to answer `failed` now."""
 
 
 class KvActor(CoreActor):
@@ -78,15 +75,8 @@ class KvActor(CoreActor):
 
     async def _share(self, shared: SharedSnapshots, event: Any, outputs: Outputs) -> Outputs:
         """Tells the directory what the command changed (after the disk, so an entry never
-        names a snapshot a restart would lose), or hands it a snapshot this node lacks."""
-        if not _succeeded(outputs):
-            failed = outputs[0][1] if outputs else None
-            if (
-                isinstance(failed, ev.RequestFailed)
-                and failed.kind == "no_such_snapshot"
-                and isinstance(event, ev.OpenContext | ev.DeleteSnapshot)
-            ):
-                return [] if shared.missing(event, failed) else outputs
+        names a snapshot a restart would lose)."""
+        if not _succeeded(outputs) or outputs[0][0] == self.core.directory:
             return outputs
         match event:
             case ev.SaveContext(user=user, name=name):

@@ -32,6 +32,12 @@ class KvCore(PassPlacement):
         try:
             return self._dispatch(event)
         except RequestError as err:
+            if (
+                err.kind == "no_such_snapshot"
+                and self.directory is not None
+                and isinstance(event, ev.OpenContext | ev.DeleteSnapshot)
+            ):
+                return [(self.directory, _missing(event, str(err)))]
             return [
                 (
                     event.requester,
@@ -239,3 +245,16 @@ class KvCore(PassPlacement):
             released_pages=tuple(chain.released()),
             reserved_pages=len(chain.reserved),
         )
+
+
+def _missing(event: ev.OpenContext | ev.DeleteSnapshot, message: str) -> ev.SnapshotMissing:
+    """The directory's part of an open or delete of a snapshot this core lacks."""
+    return ev.SnapshotMissing(
+        corr=event.corr,
+        requester=event.requester,
+        name=event.name,
+        user=event.user,
+        take=isinstance(event, ev.OpenContext) and event.take,
+        delete=isinstance(event, ev.DeleteSnapshot),
+        message=message,
+    )
