@@ -329,10 +329,14 @@ async def test_a_node_enters_its_snapshots_again_after_redis_restarts_empty(
         redis_server.stop()
         async with a.engine.requester() as requester:
             await requester.delete_snapshot("gone", user="ada")  # Redis away: local only
+        with trio.fail_after(0.5):
+            await save(a.engine, "fresh")  # waits on no Redis meanwhile
         redis_server.start()  # empty: every entry is lost
 
         async def kept_back() -> bool:
-            return bool(await entry(url, model, "ada", "kept"))
+            return bool(await entry(url, model, "ada", "kept")) and bool(
+                await entry(url, model, "ada", "fresh")
+            )
 
         await eventually(kept_back)
         back = await entry(url, model, "ada", "kept")
@@ -350,7 +354,7 @@ async def test_a_node_enters_its_snapshots_again_after_redis_restarts_empty(
         await eventually(ghost_gone)
         left = await members(url, "pie:snaps")
     assert back["node"] == "node-a" and not gone
-    assert len(left) == 1
+    assert len(left) == 2, "kept and fresh"
 
 
 async def program(engine: Engine, wasm: bytes, request: dict[str, Any]) -> Any:

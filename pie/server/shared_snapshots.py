@@ -59,6 +59,8 @@ class NodeSnapshots:
         self.copies = 0
         """Snapshots copied from other nodes."""
         self._catching_up = False
+        self._changed = False
+        """A snapshot was saved or removed while catching up: catch up once more."""
         self.address = directory_address(stack.kv_address)
         engine.router.register_handler(self.address, ev.SnapshotMissing, self._missing)
 
@@ -83,14 +85,16 @@ class NodeSnapshots:
         delay = self.config.renew_seconds
         try:
             while True:
+                self._changed = False
                 try:
                     await self.reconcile()
                 except STORE_ERRORS:
                     await trio.sleep(delay)
                     delay = min(delay * 2, 10.0)
                 else:
-                    log.warning("named snapshots: the directory holds this node's entries again")
-                    return
+                    if not self._changed:
+                        log.warning("named snapshots: the directory has this node's entries again")
+                        return
         finally:
             self._catching_up = False
 
@@ -104,6 +108,9 @@ class NodeSnapshots:
         await self.publish_all()
 
     async def saved(self, user: str, name: str, snapshot: Chain) -> None:
+        if self._catching_up:
+            self._changed = True  # Redis is away: the catch-up enters it; no save waits on it
+            return
         try:
             await self._enter(user, name, snapshot)
         except DirectoryFull as full:
@@ -125,12 +132,18 @@ class NodeSnapshots:
         await self.directory.put(entry)
 
     async def removed(self, user: str, name: str) -> None:
+        if self._catching_up:
+            self._changed = True  # the catch-up removes it
+            return
         try:
             await self.directory.remove(self.stack.name, user, name, self.node_id)
         except STORE_ERRORS as exc:
             self._unwritten(f"the removal of {name!r} of {user!r}", exc)
 
     async def dropped(self, user: str) -> None:
+        if self._catching_up:
+            self._changed = True
+            return
         try:
             for entry in await self.directory.user_entries(user):
                 if entry.model == self.stack.name and entry.node == self.node_id:
