@@ -26,6 +26,7 @@ from pie.cluster.registry import Registration
 from pie.cluster.status import read_status
 from pie.cluster.store import open_store
 from pie.config import config_from_dict
+from pie.drivers.synthetic import SyntheticDriver
 from pie.engine import Engine, open_engine
 from pie.engine.replay import replay_cores
 from pie.events.kv import DropSnapshots
@@ -382,3 +383,12 @@ async def test_a_program_on_another_node_is_told_where_the_snapshot_is_or_gets_a
         on_c = await program(c.engine, relay, {"mode": "open", "name": "notes"})
     assert on_b.startswith("error: snapshot-elsewhere: snapshot 'notes' is held by node-a")
     assert int(saved) == int(on_c) > 4, "c opened its copy, every token of it"
+
+
+@pytest.mark.integration
+async def test_an_engine_with_a_clusters_config_but_no_directory_answers_as_one_node() -> None:
+    config = config_from_dict({"cluster": {"redis": "redis://127.0.0.1:1", "node_id": "x"}})
+    async with open_engine(config, driver=SyntheticDriver()) as engine:
+        assert engine.kv.core.directory == "kv.directory"
+        refused = await refusal(engine, "plan")
+    assert (refused.kind, refused.message) == ("no_such_snapshot", "no snapshot named 'plan'")

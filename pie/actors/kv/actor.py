@@ -71,7 +71,7 @@ class KvActor(CoreActor):
             outputs = await self._keep(self.store, event, outputs)
         if self.shared is not None:
             outputs = await self._share(self.shared, event, outputs)
-        self.emit(outputs)
+        self.emit([_answered_here(o) if o[0] not in self.router else o for o in outputs])
 
     async def _share(self, shared: SharedSnapshots, event: Any, outputs: Outputs) -> Outputs:
         """Tells the directory what the command changed (after the disk, so an entry never
@@ -254,3 +254,13 @@ async def _logged(remove: Any, *args: str) -> None:
         await trio.to_thread.run_sync(remove, *args)
     except OSError as exc:
         log.error("named snapshots: could not remove the record of %s: %s", args, exc)
+
+
+def _answered_here(output: tuple[str, Any]) -> tuple[str, Any]:
+    """A hand-off to a directory that is not there (an engine opened with a cluster's config
+    but not joined to it) answered as a core without one answers it."""
+    missing = output[1]
+    if not isinstance(missing, ev.SnapshotMissing):
+        return output
+    failed = ev.RequestFailed(corr=missing.corr, kind="no_such_snapshot", message=missing.message)
+    return (missing.requester, failed)
