@@ -110,7 +110,10 @@ async def share_snapshots(
             nursery=nursery,
             copies=copies,
         )
-        await node.publish_all()
+        try:
+            await node.publish_all()
+        except STORE_ERRORS:
+            node.redis_back()  # Redis went away since the start's check: catch up later
         stack.kv.shared = node
         nodes.append(node)
     return nodes
