@@ -109,6 +109,15 @@ APPLIED = spec_ev.LanePassApplied(
 
 SAMPLES = (
     LEASE,
+    kv_ev.LendSnapshot(corr=3, requester="copy:1", name="plan", user="ada"),
+    kv_ev.SnapshotLent(
+        corr=3, lease=2, tokens=(5, 9, 33), positions=(0, 1, 2), pages=(7,), plain=True
+    ),
+    kv_ev.ImportPages(corr=4, requester="copy:1", context=2, tokens=(5, 9), positions=(0, 1)),
+    kv_ev.PagesPlaced(corr=4, pages=(3, 8), kv_start=4),
+    kv_ev.SnapshotMissing(
+        corr=5, requester="inferlet:1", name="plan", user="ada", take=True, message="none"
+    ),
     LogitBias(mask=(3, 997), value=7.5),
     Penalty(presence=0.5, frequency=-1.25, tokens=(4, 4, 9)),
     http_ev.HttpFetch(

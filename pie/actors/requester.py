@@ -276,6 +276,8 @@ REPLIES = (
     kv_ev.RequestFailed,
     kv_ev.ContextCreated,
     kv_ev.ContextInfo,
+    kv_ev.SnapshotLent,
+    kv_ev.PagesPlaced,
     bus_ev.Pulled,
     bus_ev.TopicMessage,
     inf_ev.InferletLaunched,

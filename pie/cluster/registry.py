@@ -36,11 +36,18 @@ class Registration:
     """Keeps `node` registered in the cluster of `config`, with `load()` read at each renewal."""
 
     def __init__(
-        self, config: ClusterConfig, node: NodeRecord, load: Callable[[], NodeLoad]
+        self,
+        config: ClusterConfig,
+        node: NodeRecord,
+        load: Callable[[], NodeLoad],
+        on_back: Callable[[], None] | None = None,
     ) -> None:
+        """`on_back` is called when a renewal succeeds after failing (Redis came back, maybe
+        restarted without its data)."""
         self.config = config
         self.node = node
         self.load = load
+        self.on_back = on_back
         self.renewals = 0
         self.failures = 0
         """Renewals that failed in a row (0 while Redis answers)."""
@@ -120,6 +127,8 @@ class Registration:
         if self.failures:
             where, node = redacted(url), self.node.node_id
             log.warning("pie: Redis at %s is back; node %s registered", where, node)
+            if self.on_back is not None:
+                self.on_back()
         self.failures = 0
 
     async def _leave(self) -> None:

@@ -1,5 +1,5 @@
 """What the cluster holds, read from Redis: the live nodes (those whose record has not expired),
-the installed programs and, in a later part, the named snapshots."""
+the installed programs and the named snapshots (those whose holder is gone marked lost)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,34 @@ from attrs import frozen
 
 from pie.cluster.programs import InstalledProgram, installed_programs
 from pie.cluster.records import NODES_INDEX, NodeRecord, RecordError, node_key
+from pie.cluster.snapshots import SnapshotDirectory, SnapshotEntry
 from pie.cluster.store import STORE_ERRORS, ClusterUnreachable, RedisStore, open_store, redis_down
+
+
+@frozen(kw_only=True)
+class ListedSnapshot:
+    entry: SnapshotEntry
+    lost: bool
+    """Its holder is no longer a live node: nobody can open it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.entry
+        return {
+            "model": e.model,
+            "user": e.user,
+            "name": e.name,
+            "node": e.node,
+            "pages": e.pages,
+            "tokens": e.tokens,
+            "saved_at": e.saved_at,
+            "lost": self.lost,
+        }
+
+    def line(self) -> str:
+        e = self.entry
+        lost = "  LOST (its node is gone)" if self.lost else ""
+        where = f"model={e.model}  node={e.node}  pages={e.pages}"
+        return f"snapshot  {e.user}  {e.name}  {where}{lost}"
 
 
 @frozen(kw_only=True)
@@ -24,13 +51,17 @@ class ClusterStatus:
     programs: tuple[InstalledProgram, ...] = ()
     """Every user's installed programs (up to LISTED_PROGRAMS)."""
     programs_truncated: bool = False
+    snapshots: tuple[ListedSnapshot, ...] = ()
+    """The directory's named snapshots (up to LISTED_SNAPSHOTS)."""
+    snapshots_truncated: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "nodes": [node.to_dict() for node in self.nodes],
             "programs": [attrs.asdict(program) for program in self.programs],
             "programs_truncated": self.programs_truncated,
-            "snapshots": [],
+            "snapshots": [listed.to_dict() for listed in self.snapshots],
+            "snapshots_truncated": self.snapshots_truncated,
             "unreadable": list(self.unreadable),
             "truncated": self.truncated,
         }
@@ -42,7 +73,8 @@ class ClusterStatus:
             f"program  {p.user}  {p.name}@{p.version}  {p.hash[:12]}  {p.size} bytes"
             for p in self.programs
         ]
-        return [_line(node, now) for node in self.nodes] + programs
+        snapshots = [listed.line() for listed in self.snapshots]
+        return [_line(node, now) for node in self.nodes] + programs + snapshots
 
 
 def _line(node: NodeRecord, now: float) -> str:
@@ -82,8 +114,28 @@ async def read_status(url: str, timeout: float, limit: int) -> ClusterStatus:
         try:
             status = await live_nodes(store, limit)
             programs, more = await installed_programs(store)
-            return attrs.evolve(status, programs=programs, programs_truncated=more)
+            snapshots, many = await _snapshots(store, status)
+            return attrs.evolve(
+                status,
+                programs=programs,
+                programs_truncated=more,
+                snapshots=snapshots,
+                snapshots_truncated=many,
+            )
         except STORE_ERRORS as exc:
             failure = exc
     assert failure is not None
     raise ClusterUnreachable(redis_down(url, failure)) from None
+
+
+async def _snapshots(
+    store: RedisStore, status: ClusterStatus
+) -> tuple[tuple[ListedSnapshot, ...], bool]:
+    """The directory's entries, each marked lost when its node's record has expired (read for
+    each node named, so a node left out of a truncated listing is not taken for lost)."""
+    entries, more = await SnapshotDirectory(store, max_user_entries=1).listed()
+    live = {node.node_id for node in status.nodes} | set(status.unreadable)
+    unknown = sorted({e.node for e in entries} - live)
+    records = await store.get_many([node_key(n) for n in unknown])
+    live |= {n for n, record in zip(unknown, records, strict=True) if record is not None}
+    return tuple(ListedSnapshot(entry=e, lost=e.node not in live) for e in entries), more

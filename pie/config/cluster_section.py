@@ -114,6 +114,21 @@ class ClusterConfig:
     placement_max_snapshots: int = field(default=16, validator=at_least(1))
     """The most snapshot names one launch may give for placement (each is one Redis read)."""
 
+    max_user_snapshots: int = field(default=1024, validator=at_least(1))
+    """Entries a user may hold in the cluster's directory of named snapshots: a save of one
+    more is refused `quota` (the directory lives in Redis, shared by every user)."""
+
+    remote_snapshots: str = field(default="place", validator=choice("place", "copy"))
+    """Opening a snapshot another node holds: "place" refuses the open naming the holder (a
+    launch that names its snapshots runs there); "copy" copies its KV pages from the holder."""
+
+    max_snapshot_copy_mb: int = field(default=256, validator=at_least(1))
+    """The largest snapshot (its KV pages) a node copies from another, or serves to one."""
+
+    snapshot_copies: int = field(default=2, validator=at_least(1))
+    """Copies a node makes at once, and copies it serves at once: each holds up to
+    max_snapshot_copy_mb in memory while it travels."""
+
     def __attrs_post_init__(self) -> None:
         if self.renew_seconds >= self.ttl_seconds:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from attrs import frozen
@@ -49,3 +50,25 @@ class Driver(Protocol):
         Raises DriverError for a malformed batch without changing any KV page.
         """
         ...
+
+
+class PageTransfer(Protocol):
+    """Whole KV pages read out as bytes and written back (a snapshot copied between nodes).
+    Both sides must have the same `layout`; a page is `page_bytes` bytes."""
+
+    layout: str
+    page_bytes: int
+
+    def export_pages(self, pages: Sequence[int]) -> bytes:
+        """The pages' KV, page after page, in the order given."""
+        ...
+
+    def import_pages(self, pages: Sequence[int], data: bytes) -> None:
+        """Writes `data` (as `export_pages` made it) into `pages`, which no pass uses now."""
+        ...
+
+
+def page_transfer(driver: object) -> PageTransfer | None:
+    """The driver's page transfer, or None when it cannot read or write whole pages."""
+    make = getattr(driver, "page_transfer", None)
+    return make() if callable(make) else None

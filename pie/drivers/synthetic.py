@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from pie.drivers.base import DriverError, DriverInfo
 from pie.drivers.batch import ForwardBatch
@@ -59,6 +60,11 @@ class SyntheticDriver:
             dtype="none",
         )
         self.batches: list[ForwardBatch] = []
+        self.pages: dict[int, bytes] = {}
+        """What `page_transfer` wrote into each page (the model writes no KV)."""
+
+    def page_transfer(self) -> SyntheticPages:
+        return SyntheticPages(self)
 
     def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
         # The pass's own bookkeeping counts toward its fixed time, as a real pass's would.
@@ -164,3 +170,30 @@ def _wait_until(deadline: float) -> None:
         time.sleep(remaining - _SPIN_SECONDS)
     while time.perf_counter() < deadline:
         os.sched_yield()
+
+
+class SyntheticPages:
+    """Pages as PAGE_BYTES bytes each: zeros until imported (the synthetic model keeps no KV)."""
+
+    page_bytes = 16
+
+    def __init__(self, driver: SyntheticDriver) -> None:
+        self.driver = driver
+        info = driver.info
+        self.layout = f"{info.model_name} synthetic page_size={info.page_size}"
+
+    def export_pages(self, pages: Sequence[int]) -> bytes:
+        self._check(pages)
+        blank = bytes(self.page_bytes)
+        return b"".join(self.driver.pages.get(page, blank) for page in pages)
+
+    def import_pages(self, pages: Sequence[int], data: bytes) -> None:
+        self._check(pages)
+        if len(data) != len(pages) * self.page_bytes:
+            raise ValueError(f"{len(data)} bytes are not {len(pages)} pages of {self.page_bytes}")
+        for i, page in enumerate(pages):
+            self.driver.pages[page] = data[i * self.page_bytes : (i + 1) * self.page_bytes]
+
+    def _check(self, pages: Sequence[int]) -> None:
+        if any(not 0 <= p < self.driver.info.num_pages for p in pages):
+            raise ValueError(f"page index outside 0..{self.driver.info.num_pages - 1}")

@@ -24,6 +24,7 @@ from pie.drivers.media_store import MediaRefused, MediaStore
 from pie.drivers.memory import model_bytes
 from pie.drivers.models.base import CausalLM, LayerAttention, ModelConfig
 from pie.drivers.models.media import MediaRows
+from pie.drivers.page_transfer import CachePages
 from pie.drivers.sampling import read_slots
 from pie.events.sampling import PROBES, SAMPLERS, LogitBias, LogProbs, Penalty, Rle, SlotOutput
 
@@ -242,6 +243,10 @@ class TorchDriver:
 
     def statistics(self) -> DriverStatistics:
         return self._stats
+
+    def page_transfer(self) -> CachePages:
+        """Whole KV pages as bytes, for copying a named snapshot to another node."""
+        return CachePages(self.cache, self.info.model_name)
 
     def memory_bytes(self) -> tuple[int, int, int, str]:
         """(model tensors, KV pages used, KV pool, device) for pie.drivers.memory."""

@@ -106,7 +106,7 @@ def _kv(
         adapters=model.adapters,
     )
     config = with_overrides(config, kv={"prefix_cache": model.prefix_cache})
-    core = kv_core(config, info, index=model.index, count=model.count)
+    core = kv_core(config, info, index=model.index, count=model.count, directory=model.directory)
     address = addresses(model.index, model.model)[0]
     result = replay(envelopes, address, core, transient)
     stats = core.statistics()

@@ -19,7 +19,7 @@ from pie.actors.runtime import Router
 from pie.config import EngineConfig
 from pie.dataplane import BatchFormer, BatchPolicy, Lanes, Speaker, SpeechDesk
 from pie.dataplane.tape import RecordingFormer
-from pie.drivers.base import Driver, DriverInfo
+from pie.drivers.base import Driver, DriverInfo, PageTransfer, page_transfer
 from pie.events.batching import EngineStarted, FormerStep, FormerSteps
 
 Elsewhere = Callable[[tuple[str, str]], str | None]
@@ -49,6 +49,10 @@ class ModelStack:
     def kv_address(self) -> str:
         return self.kv.address
 
+    def page_transfer(self) -> PageTransfer | None:
+        """The driver's whole-page KV reads and writes (None: it has none)."""
+        return page_transfer(self.driver)
+
     def started(self, config: EngineConfig, count: int) -> EngineStarted:
         """The log's record of what this model's kv core and batch former were built with
         (`count`: the models the engine serves)."""
@@ -64,7 +68,13 @@ class ModelStack:
             adapters=self.info.adapters,
             index=self.index,
             count=count,
+            directory=self.kv.core.directory,
         )
+
+
+def directory_address(kv_address: str) -> str:
+    """Where a clustered node's kv actor at `kv_address` hands snapshots it lacks."""
+    return f"{kv_address}.directory"
 
 
 def addresses(index: int, name: str) -> tuple[str, str]:
@@ -91,7 +101,8 @@ def build_stack(
         max_batch_requests=min(scheduler.max_batch_requests, info.max_batch_requests),
         decode_tokens=scheduler.decode_tokens,
     )
-    core = kv_core(config, info, index=index, count=count, elsewhere=elsewhere)
+    directory = directory_address(kv_address) if config.cluster.redis else None
+    core = kv_core(config, info, index=index, count=count, elsewhere=elsewhere, directory=directory)
     store = _store(config, index, info.model_name)
     media = getattr(driver, "media", None)
     kv = KvActor(core, router, store, address=kv_address, media=media)
@@ -152,6 +163,7 @@ def kv_core(
     index: int,
     count: int,
     elsewhere: Elsewhere | None = None,
+    directory: str | None = None,
 ) -> KvCore:
     """The kv core of the model at `index` of `count`; `info` has the driver's figures
     (model_name, num_pages, page_size, vocab_size, sliding_window, adapters)."""
@@ -171,6 +183,7 @@ def kv_core(
         context_ids=(index + 1, count),
         model=info.model_name,
         elsewhere=elsewhere,
+        directory=directory,
     )
 
 

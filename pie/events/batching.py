@@ -41,6 +41,8 @@ class EngineStarted:
     index: int = 0
     count: int = 1
     """The model's place among the engine's models (its actors' addresses and context ids)."""
+    directory: str | None = None
+    """Where the kv core hands commands on snapshots it lacks (a clustered node's directory)."""
 
 
 @frozen(kw_only=True)

@@ -176,6 +176,30 @@ class PassApplied:
     ok: bool = True
 
 
+@frozen(kw_only=True)
+class LendSnapshot:
+    """Pin a snapshot's pages while its KV is read out (to copy it to another node); the reply
+    is a `SnapshotLent`, and a `LeaseReleased` of its lease unpins them."""
+
+    corr: int
+    requester: str
+    name: str
+    user: str
+
+
+@frozen(kw_only=True)
+class ImportPages:
+    """Place `tokens` in a context as a pass would, for KV that arrives from elsewhere instead
+    of from the model: the reply is a `PagesPlaced`; a `PassApplied` of its corr commits the
+    pages once their KV is written (or rolls them back)."""
+
+    corr: int
+    requester: str
+    context: int
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+
+
 KvCommand = (
     CreateContext
     | ForkContext
@@ -192,6 +216,8 @@ KvCommand = (
     | SubmitForward
     | ReleaseRequester
     | PassApplied
+    | LendSnapshot
+    | ImportPages
 )
 
 
@@ -233,3 +259,42 @@ class RequestFailed:
     corr: int
     kind: str
     message: str
+
+
+@frozen(kw_only=True)
+class SnapshotMissing:
+    """To a clustered node's directory of named snapshots: a command on a snapshot this kv core
+    lacks, which the directory answers (another node may hold it)."""
+
+    corr: int
+    requester: str
+    name: str
+    user: str
+    take: bool = False
+    delete: bool = False
+    message: str
+    """The answer when no node holds it (what the core would have answered alone)."""
+
+
+@frozen(kw_only=True)
+class SnapshotLent:
+    """A snapshot's tokens and the pool pages holding their KV, pinned under `lease`. `plain`
+    is False when its KV also depends on more than its tokens and positions (adapters, custom
+    attention masks, media, masked or released pages)."""
+
+    corr: int
+    lease: int
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    pages: tuple[int, ...]
+    plain: bool
+
+
+@frozen(kw_only=True)
+class PagesPlaced:
+    """Where an `ImportPages` put its tokens: the context's pages, and the first token whose
+    KV must be written (those before it are committed pages found by the prefix cache)."""
+
+    corr: int
+    pages: tuple[int, ...]
+    kv_start: int

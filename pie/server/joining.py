@@ -7,6 +7,7 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -57,13 +58,14 @@ async def join_cluster(
     config: ClusterConfig,
     server: Server,
     front: HttpFront | None,
+    on_back: Callable[[], None] | None = None,
     *,
     task_status: trio.TaskStatus[Registration] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Registers this node and keeps it registered until cancelled or told to leave (then it
-    deletes its record)."""
+    deletes its record); `on_back` is called when Redis answers again after failing."""
     node = this_node(config, server, front)
-    registration = Registration(config, node, lambda: node_load(server.engine))
+    registration = Registration(config, node, lambda: node_load(server.engine), on_back)
     where = redacted(config.redis)
     try:
         async with trio.open_nursery() as nursery:

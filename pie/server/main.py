@@ -82,18 +82,23 @@ async def _serve(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
+                node = None
                 if shared is not None:
-                    from pie.server.clustered import follow_users
+                    from pie.server.clustered import share_node
 
-                    follow_users(shared, server, nursery)
-                front = await _start_http(engine, config, server, nursery, ports.http)
+                    node = await share_node(shared, config.cluster, server, nursery)
+                routes = node.routes if node is not None else ()
+                front = await _start_http(engine, config, server, nursery, ports.http, routes)
                 if front is not None and announce_http is not None:
                     announce_http(front)
                 registration: Registration | None = None
-                if config.cluster.redis:
+                if node is not None:
                     from pie.server.joining import join_cluster
 
-                    registration = await nursery.start(join_cluster, config.cluster, server, front)
+                    back = node.redis_back
+                    registration = await nursery.start(
+                        join_cluster, config.cluster, server, front, back
+                    )
                 settle_heap()
                 if announce is not None:
                     announce(server)
@@ -143,6 +148,7 @@ async def _start_http(
     server: Server,
     nursery: trio.Nursery,
     sockets: list[socket.socket],
+    cluster_routes: tuple[Route, ...] = (),
 ) -> HttpFront | None:
     """The HTTP front with its programs, the metrics routes and the pages a router in front of
     several nodes reads (discovery.py); without [http] port, a front serving only the metrics
@@ -160,6 +166,7 @@ async def _start_http(
     if config.http.port >= 0:
         routes += discovery_routes([stack.name for stack in engine.models])
         routes += _dashboard_routes(engine, config, server)
+        routes += cluster_routes
     front = HttpFront(
         engine,
         http,

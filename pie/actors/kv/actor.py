@@ -1,14 +1,15 @@
 """The kv actor's shell: the pure core's replies, held back until the named snapshots they
-change are kept on disk (when a store is given), and the rebuilding of kept snapshots at start,
-their media added back to the model's media store first."""
+change are kept on disk (when a store is given) and in the cluster's directory (on a clustered
+node), and the rebuilding of kept snapshots at start, their media added back first."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
+from pie.actors.kv.context import Chain
 from pie.actors.kv.core import KvCore
 from pie.actors.kv.durable import SnapshotRecord, SnapshotStore
 from pie.actors.kv.media_blobs import MediaHolder, MediaSource
@@ -20,6 +21,26 @@ from pie.events.forward import split_media
 log = logging.getLogger(__name__)
 
 Outputs = list[tuple[str, Any]]
+
+
+class DirectoryRefused(Exception):
+    """The cluster's directory refused a saved snapshot's entry (`kind`, e.g. quota)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class SharedSnapshots(Protocol):
+    """A clustered node's directory of named snapshots, as the kv actor tells it of changes
+    (commands on snapshots the core lacks reach it as `SnapshotMissing` events instead)."""
+
+    async def saved(self, user: str, name: str, snapshot: Chain) -> None:
+        """Enters the snapshot just saved; raises DirectoryRefused to undo the save."""
+
+    async def removed(self, user: str, name: str) -> None: ...
+
+    async def dropped(self, user: str) -> None: ...
 
 
 class KvActor(CoreActor):
@@ -41,12 +62,47 @@ class KvActor(CoreActor):
         super().__init__(core, address, router)
         self.store = store
         self.media = media
+        self.shared: SharedSnapshots | None = None
+        """Set on a clustered node: the cluster's directory of named snapshots."""
 
     async def handle(self, event: Any) -> None:
         outputs = self.core.handle(event)
         if self.store is not None and _succeeded(outputs):
             outputs = await self._keep(self.store, event, outputs)
-        self.emit(outputs)
+        if self.shared is not None:
+            outputs = await self._share(self.shared, event, outputs)
+        self.emit([_answered_here(o) if o[0] not in self.router else o for o in outputs])
+
+    async def _share(self, shared: SharedSnapshots, event: Any, outputs: Outputs) -> Outputs:
+        """Tells the directory what the command changed (after the disk, so an entry never
+        names a snapshot a restart would lose)."""
+        if not _succeeded(outputs) or outputs[0][0] == self.core.directory:
+            return outputs
+        match event:
+            case ev.SaveContext(user=user, name=name):
+                try:
+                    await shared.saved(user, name, self.core.snapshots[(user, name)])
+                except DirectoryRefused as refused:
+                    return await self._unshare(event, refused)
+            case (
+                ev.DeleteSnapshot(user=user, name=name)
+                | ev.OpenContext(take=True, user=user, name=name)
+            ):
+                await shared.removed(user, name)
+            case ev.DropSnapshots(user=user):
+                await shared.dropped(user)
+        return outputs
+
+    async def _unshare(self, event: ev.SaveContext, refused: DirectoryRefused) -> Outputs:
+        """A save the directory refused is undone, on disk too."""
+        forget = ev.DeleteSnapshot(
+            corr=event.corr, requester=event.requester, name=event.name, user=event.user
+        )
+        self.core.handle(forget)
+        if self.store is not None:
+            await _logged(self.store.remove, event.user, event.name)
+        failed = ev.RequestFailed(corr=event.corr, kind=refused.kind, message=str(refused))
+        return [(event.requester, failed)]
 
     async def _keep(self, store: SnapshotStore, event: Any, outputs: Outputs) -> Outputs:
         match event:
@@ -198,3 +254,13 @@ async def _logged(remove: Any, *args: str) -> None:
         await trio.to_thread.run_sync(remove, *args)
     except OSError as exc:
         log.error("named snapshots: could not remove the record of %s: %s", args, exc)
+
+
+def _answered_here(output: tuple[str, Any]) -> tuple[str, Any]:
+    """A hand-off to a directory that is not there (an engine opened with a cluster's config
+    but not joined to it) answered as a core without one answers it."""
+    missing = output[1]
+    if not isinstance(missing, ev.SnapshotMissing):
+        return output
+    failed = ev.RequestFailed(corr=missing.corr, kind="no_such_snapshot", message=missing.message)
+    return (missing.requester, failed)

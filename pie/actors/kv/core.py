@@ -32,6 +32,12 @@ class KvCore(PassPlacement):
         try:
             return self._dispatch(event)
         except RequestError as err:
+            if (
+                err.kind == "no_such_snapshot"
+                and self.directory is not None
+                and isinstance(event, ev.OpenContext | ev.DeleteSnapshot)
+            ):
+                return [(self.directory, _missing(event, str(err)))]
             return [
                 (
                     event.requester,
@@ -102,6 +108,10 @@ class KvCore(PassPlacement):
                 return [(event.requester, ev.Done(corr=event.corr))]
             case ev.DescribeContext():
                 return [(event.requester, self._describe(event))]
+            case ev.LendSnapshot():
+                return [(event.requester, self._lend(event))]
+            case ev.ImportPages():
+                return [(event.requester, self._import(event))]
             case ev.ReleaseRequester():
                 for context in [
                     c for c, ch in self.contexts.items() if ch.owner == event.requester
@@ -139,6 +149,40 @@ class KvCore(PassPlacement):
         self.pool.share(chain.held())
         self.snapshots[key] = snapshot
         return [(event.requester, ev.Done(corr=event.corr))]
+
+    def _lend(self, event: ev.LendSnapshot) -> ev.SnapshotLent:
+        snapshot = self._snapshot((event.user, event.name))
+        pages = snapshot.held()
+        lease = self._next_lease
+        self._next_lease += 1
+        self.pool.pin(pages)
+        self.leases[lease] = pages
+        plain = not (
+            snapshot.masked or snapshot.adapter_runs or snapshot.mask_runs or snapshot.media_runs
+        )
+        return ev.SnapshotLent(
+            corr=event.corr,
+            lease=lease,
+            tokens=tuple(snapshot.tokens),
+            positions=tuple(snapshot.positions),
+            pages=tuple(pages),
+            plain=plain,
+        )
+
+    def _import(self, event: ev.ImportPages) -> ev.PagesPlaced:
+        # Placed as a pass without slots: the same checks, pages, prefix reuse and commit.
+        chain = self._owned(event.context, event.requester)
+        if chain.tokens:
+            raise RequestError("invalid", "pages are imported into an empty context only")
+        submit = ev.SubmitForward(
+            corr=event.corr,
+            requester=event.requester,
+            context=event.context,
+            tokens=event.tokens,
+            positions=event.positions,
+        )
+        request = self._place(submit)
+        return ev.PagesPlaced(corr=event.corr, pages=request.pages, kv_start=request.kv_start)
 
     def _delete_snapshot(self, key: tuple[str, str]) -> None:
         self._release_chain(self.snapshots.pop(key).held())
@@ -201,3 +245,16 @@ class KvCore(PassPlacement):
             released_pages=tuple(chain.released()),
             reserved_pages=len(chain.reserved),
         )
+
+
+def _missing(event: ev.OpenContext | ev.DeleteSnapshot, message: str) -> ev.SnapshotMissing:
+    """The directory's part of an open or delete of a snapshot this core lacks."""
+    return ev.SnapshotMissing(
+        corr=event.corr,
+        requester=event.requester,
+        name=event.name,
+        user=event.user,
+        take=isinstance(event, ev.OpenContext) and event.take,
+        delete=isinstance(event, ev.DeleteSnapshot),
+        message=message,
+    )

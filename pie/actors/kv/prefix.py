@@ -19,6 +19,14 @@ Reuse = list[tuple[int, bytes]]
 """Committed pages a pass attaches instead of computing them, with their content hashes."""
 
 
+def first_salt(scope: str, user: str) -> bytes:
+    """The salt a new context's page hashes start from: under the "user" scope its user, so
+    that contexts of two users never hold a page under the same hash."""
+    if scope != "user":
+        return b""
+    return hashlib.blake2b(f"user {user}".encode(), digest_size=16).digest()
+
+
 class PrefixCache:
     """The lookups of one kv core under one scope, and what they found."""
 
@@ -35,11 +43,7 @@ class PrefixCache:
         self.hit_pages = 0
 
     def first_salt(self, user: str) -> bytes:
-        """The salt a new context's page hashes start from: under the "user" scope its user, so
-        that contexts of two users never hold a page under the same hash."""
-        if self.scope != "user":
-            return b""
-        return hashlib.blake2b(f"user {user}".encode(), digest_size=16).digest()
+        return first_salt(self.scope, user)
 
     def find(
         self, chain: Chain, event: SubmitForward, positions: tuple[int, ...], salt: bytes

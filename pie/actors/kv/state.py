@@ -35,6 +35,7 @@ class KvState:
         context_ids: tuple[int, int] = (1, 1),
         model: str = "",
         elsewhere: Callable[[tuple[str, str]], str | None] | None = None,
+        directory: str | None = None,
     ) -> None:
         """With several models, each has its own kv core: `context_ids` (first, step) keeps their
         context ids apart (model k of n: (k + 1, n)), `model` names this one, and `elsewhere`
@@ -61,6 +62,9 @@ class KvState:
         self._next_context, self._context_step = context_ids
         self.model = model
         self._elsewhere = elsewhere
+        self.directory = directory
+        """On a clustered node, the address of the cluster's directory of named snapshots: an
+        open or delete of a snapshot no model here holds goes there to be answered."""
         self._shared_hits = 0
         self._tail_copies = 0
         self._released = 0
