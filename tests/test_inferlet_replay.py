@@ -8,7 +8,6 @@ tests replay from its log."""
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import math
 import re
@@ -37,14 +36,13 @@ from pie.events.inferlet import InferletOutcome
 from pie.events.recording import HostCallsRecorded
 from pie.sandbox import GuestStopped, WasmRuntime, callvalues
 from pie.sandbox.callvalues import RecordedRaise
-from pie.sandbox.host import InstanceState
 from pie.sandbox.recording import CHUNK_CALLS, RAW_CALLS, Chunk, Recorder, RecordingBudget
 from pie.sandbox.replaying import Replayer
-from pie.sandbox.runtime import KillSwitch
 from pie.sandbox.values import Err, Ok
 from pie.sandbox.wasm import record
 from tests.inferlet_fixtures import EXAMPLES, GUESTS, REPO
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
+from tests.test_inferlet_subscriptions import instance
 
 WAT = (REPO / "tests" / "wat_guests" / "host_calls.wat").read_text()
 SECOND_CREATE = (
@@ -417,7 +415,7 @@ def test_a_cap_inside_calls_encoded_together_cuts_at_the_call_that_crosses_it() 
 
 @pytest.mark.unit
 def test_a_guest_waiting_long_has_its_calls_encoded_meanwhile_and_a_short_wait_does_not() -> None:
-    state = _instance()
+    state = instance()  # an instance whose requests are answered at once
     encoded: list[float] = []
     state.while_idle = (0.05, lambda: encoded.append(time.monotonic()))
     handle, fill = state.expect("reply")
@@ -428,20 +426,6 @@ def test_a_guest_waiting_long_has_its_calls_encoded_meanwhile_and_a_short_wait_d
     threading.Timer(0.3, fill, args=("slow",)).start()
     assert state.wait_any([handle]) == [0]
     assert len(encoded) == 1 and 0.04 < encoded[0] - started < 0.25
-
-
-def _instance() -> InstanceState:
-    return InstanceState(
-        instance="i1",
-        address="inferlet:i1",
-        user="ann",
-        bridge=None,
-        models=[],
-        kill=KillSwitch(),
-        corr=itertools.count(1),
-        budget_seconds=60.0,
-        version="test",
-    )
 
 
 @pytest.mark.unit
