@@ -19,6 +19,7 @@ import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import httpx
@@ -32,6 +33,9 @@ from pie.client import connect
 from pie.client.errors import NoSuchProgram
 from pie.cluster.local import node_config, to_toml
 from pie.cluster.redis_process import free_port
+from pie.server.placing import node_of
+from tests.inferlet_fixtures import GUESTS
+from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.server_fixtures import PYTEST_CACHE
 
 GUEST = (Path(__file__).parent / "wat_guests" / "host_calls.wat").read_text()
@@ -183,6 +187,41 @@ def test_cluster_up_prints_every_url_and_serves_through_the_router(up: Up) -> No
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def relay(built: Any) -> bytes:  # noqa: F811
+    """Saves a text under a name, or opens a name and answers its token count or the error."""
+    return built(GUESTS / "relay").read_bytes()
+
+
+async def finished(inferlet: Any) -> Any:
+    with trio.fail_after(120):
+        outcome = await inferlet.result()
+    assert outcome.ok, outcome
+    return outcome.result
+
+
+@pytest.mark.model
+async def test_a_launch_naming_a_snapshot_runs_on_the_node_that_saved_it(
+    up: Up, relay: bytes
+) -> None:
+    urls = {n: up.node(n)["ws_url"] for n in ("node-1", "node-2")}
+    async with connect(urls["node-1"], user="cy") as client:
+        await client.install(relay, name="relay", version="1.0")
+        saving = {"mode": "save", "name": "notes", "text": "the plan, " * 6}
+        saver = await client.launch("relay", json.dumps(saving))
+        saved = await finished(saver)
+    holder = node_of(saver.instance)
+    listed: Any = status(up.redis)["snapshots"]
+    assert holder in urls and [(e["name"], e["node"]) for e in listed] == [("notes", holder)]
+    (elsewhere,) = (url for node, url in urls.items() if node != holder)
+    async with connect(elsewhere, user="cy") as client:
+        opening = json.dumps({"mode": "open", "name": "notes"})
+        opener = await client.launch("relay", opening, snapshots=["notes"])
+        opened = await finished(opener)
+    assert node_of(opener.instance) == holder, "placed on the node holding the snapshot"
+    assert int(opened) == int(saved) > 4, "it opened every token the save kept"
 
 
 @pytest.mark.model
