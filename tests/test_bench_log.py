@@ -21,6 +21,7 @@ def test_the_log_bench_reports_every_setting_against_the_log_off(
     for name in ("off", "ring", "file", "record"):
         tps = result[name]["tps"]
         assert 0 < tps["min"] <= tps["median"] <= tps["max"]
+        assert result[name]["host_us_per_token"]["median"] > 0
     for name in ("ring", "file", "record"):
-        assert result[name]["of_off"]["median"] > 0
-    assert "of_off" not in result["off"]
+        assert result[name]["of_off"]["median"] > 0 and result[name]["cpu_of_off"]["median"] > 0
+    assert "of_off" not in result["off"] and "cpu_of_off" not in result["off"]
