@@ -121,15 +121,17 @@ async def test_a_loaded_node_sends_a_launch_to_the_least_loaded_and_the_client_f
         await install(a.url, program)
         async with connect(a.url, user="ada") as client:
             inferlets = await hold(client, 4)
+            inferlets.append(await client.launch("echo", "p", here=True))  # loaded, but asked
             ids = [i.instance for i in inferlets]  # type: ignore[attr-defined]
             assert b.statistics().connections == 1, "one connection to b, however many there"
-            assert await finish(inferlets) == ["fine"] * 4
+            assert await finish(inferlets) == ["fine"] * 5
         with trio.fail_after(5):
             while b.statistics().connections:
                 await trio.sleep(0.02)
     # a runs 0, then 1 (within the slack of 1), then 2: the third goes to b; the fourth stays,
-    # b counting the launch a sent it although b's record may not show it yet.
-    assert [node_of(i) for i in ids] == ["a", "a", "b", "a"]
+    # b counting the launch a sent it although b's record may not show it yet; the fifth asks
+    # to run where the client is connected.
+    assert [node_of(i) for i in ids] == ["a", "a", "b", "a", "a"]
     assert a.placer is not None and a.placer.redirected == 1
 
 

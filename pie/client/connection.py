@@ -99,14 +99,20 @@ class Client:
         return await upload(self, data, digest, name, version, chunk_size, progress)
 
     async def launch(
-        self, program: str, input: str | dict[str, Any] = "", *, snapshots: Sequence[str] = ()
+        self,
+        program: str,
+        input: str | dict[str, Any] = "",
+        *,
+        snapshots: Sequence[str] = (),
+        here: bool = False,
     ) -> RemoteInferlet:
         """Starts `program` (hash, name or name@version) and follows its events from seq 1.
         In a cluster it runs where the node places it (on the node holding the named
         `snapshots`, else the least-loaded): the returned inferlet may live on another node,
-        reached through a connection of this client's own."""
+        reached through a connection of this client's own. With `here`, it runs on the node
+        this client is connected to."""
         text = input if isinstance(input, str) else json.dumps(input)
-        return await launch_placed(self, program, text, tuple(snapshots))
+        return await launch_placed(self, program, text, tuple(snapshots), here=here)
 
     async def _launch(
         self, program: str, text: str, snapshots: tuple[str, ...], *, placed: bool

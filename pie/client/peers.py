@@ -63,10 +63,11 @@ class Peers:
 
 
 async def launch_placed(
-    client: Client, program: str, text: str, snapshots: tuple[str, ...]
+    client: Client, program: str, text: str, snapshots: tuple[str, ...], *, here: bool = False
 ) -> RemoteInferlet:
-    """Launches through `client`, on the node it is sent to when it is redirected."""
-    launched = await client._launch(program, text, snapshots, placed=False)
+    """Launches through `client`, on the node it is sent to when it is redirected (with
+    `here`, on the node `client` reached: the launch says it is placed already)."""
+    launched = await client._launch(program, text, snapshots, placed=here)
     if not isinstance(launched, msg.Redirect):
         return launched
     try:

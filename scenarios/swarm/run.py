@@ -85,7 +85,10 @@ async def split_run(
     async with connect(elsewhere) as other:
         await install(other, AGENT, cache_dir)
         specs = [roles()[index] for index in ELSEWHERE]
-        runs = [await other.launch(request["agent"], {**common, **spec}) for spec in specs]
+        # Launched where the split puts them, not where load would place them.
+        runs = [
+            await other.launch(request["agent"], {**common, **spec}, here=True) for spec in specs
+        ]
         seen, outcome = await watched_run(client, coordinator, request)
         remote = []
         for spec, launched in zip(specs, runs, strict=True):
@@ -113,7 +116,7 @@ async def watched_run(
         started = trio.current_time()
         for stage, watch in zip(STAGES, watches, strict=True):
             nursery.start_soon(collect, stage, watch, seen, started)
-        outcome = await (await client.launch(coordinator, request)).result()
+        outcome = await (await client.launch(coordinator, request, here=True)).result()
         expected = 3 + len(ANGLES)
         with trio.move_on_after(SETTLE_SECONDS):
             while outcome.ok and len(seen) < expected:
