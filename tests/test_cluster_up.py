@@ -5,7 +5,9 @@ survives Redis being killed and started again, and a node's stale cache never se
 to a user who does not own it; a node stopped with SIGTERM leaves the cluster at once, finishes
 its running inferlet, and is dropped by the router; Ctrl-C stops every part and leaves no
 process; `pie bench cluster` runs on its nodes with tiny settings. Cheaper: a node that fails at
-start ends the command in one line naming it; node configs written back as TOML read the same."""
+start ends the command in one line naming it; node configs written back as TOML read the same.
+On the same nodes: a launch naming a snapshot placed on its holder, and `scenarios/swarm` with
+its agents split over the two nodes."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from pie.server.placing import node_of
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.server_fixtures import PYTEST_CACHE
+from tests.test_scenarios import cache_folder, load_scenario
 
 GUEST = (Path(__file__).parent / "wat_guests" / "host_calls.wat").read_text()
 """Input "e…" returns it unchanged."""
@@ -128,7 +131,7 @@ def up(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Ite
     folder = tmp_path_factory.mktemp("cluster-up")
     config = folder / "pie.toml"
     config.write_text(
-        f'[kv]\nnum_pages = 64\n[sandbox]\ncache_dir = "{PYTEST_CACHE / "pie-components"}"\n'
+        f'[kv]\nnum_pages = 256\n[sandbox]\ncache_dir = "{PYTEST_CACHE / "pie-components"}"\n'
         "[cluster]\nttl_seconds = 60.0\n"
     )
     stderr = folder / "stderr.txt"
@@ -222,6 +225,25 @@ async def test_a_launch_naming_a_snapshot_runs_on_the_node_that_saved_it(
         opened = await finished(opener)
     assert node_of(opener.instance) == holder, "placed on the node holding the snapshot"
     assert int(opened) == int(saved) > 4, "it opened every token the save kept"
+
+
+@pytest.mark.model
+def test_the_swarm_runs_with_its_agents_split_over_the_two_nodes(
+    up: Up, pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """scenarios/swarm: the coordinator, planner and editor on node-1, the writers and the
+    critic on node-2, cooperating over the cluster's bus, a client on node-1 watching it all."""
+    inferlets = cache_folder(pytestconfig, tmp_path_factory, "pie-inferlets")
+    one, two = (up.node(n)["ws_url"] for n in ("node-1", "node-2"))
+    report = load_scenario("swarm").run(one, cache_dir=inferlets, elsewhere=two)
+    assert all(report["checks"].values()), (report["checks"], report["error"])
+    stages = [message["stage"] for message in report["watched"]]
+    assert stages == ["plan", "drafts", "drafts", "drafts", "critique", "answer"]
+    senders = {message["stage"]: message["sender"] for message in report["watched"]}
+    assert senders["plan"].startswith("inferlet:") and "@" not in senders["plan"]
+    assert senders["critique"].endswith("@node-2")
+    remote = [agent["role"] for agent in report["agents"] if agent.get("remote")]
+    assert remote == ["writer", "writer", "writer", "critic"]
 
 
 @pytest.mark.model
