@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from pie.client.bus import Watch
-from pie.client.connection import Client, connect
+from pie.client.connection import Client
 from pie.client.errors import (
     CannotConnect,
     ConnectionLost,
@@ -29,6 +29,7 @@ from pie.client.errors import (
 )
 from pie.client.files import checked_size
 from pie.client.inferlet import Outcome, RemoteInferlet
+from pie.client.opening import connect
 from pie.events import inferlet as ev
 from pie.wire.frames import DEFAULT_MAX_FRAME
 

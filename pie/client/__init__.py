@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pie.client.bus import Watch
-from pie.client.connection import DEFAULT_URL, Client, connect
+from pie.client.connection import DEFAULT_URL, Client
 from pie.client.errors import (
     AuthenticationFailed,
     CannotConnect,
@@ -18,6 +18,7 @@ from pie.client.errors import (
     WatchOverflowed,
 )
 from pie.client.inferlet import Outcome, ProgramInfo, RemoteInferlet
+from pie.client.opening import connect
 from pie.client.sync import SyncClient, SyncInferlet, SyncWatch
 from pie.events.inferlet import (
     InferletFailed,

@@ -7,14 +7,12 @@ import builtins
 import hashlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
-from trio_websocket import open_websocket_url as _open_websocket_url
+from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from pie.client.bus import Watch, Watches
 from pie.client.errors import (
@@ -24,14 +22,13 @@ from pie.client.errors import (
     EventsOverflowed,
     NoSuchProgram,
     PieError,
-    raise_sole,
     server_error,
 )
 from pie.client.files import file_message, program_info, upload
 from pie.client.inferlet import FINAL_EVENTS, ProgramInfo, RemoteInferlet, Subscription
 from pie.client.peers import Peers, attach_where_it_runs, followed, launch_placed
 from pie.wire import messages as msg
-from pie.wire.frames import DEFAULT_MAX_FRAME, FrameError, decode_server_frame, encode_frame
+from pie.wire.frames import FrameError, decode_server_frame, encode_frame
 
 DEFAULT_URL = "ws://127.0.0.1:8080"
 CHUNK_SIZE = 1 << 20
@@ -372,51 +369,3 @@ def _sign(key: Path, nonce: str, password: str | None) -> str:
         return sign_nonce(key, nonce, password)
     except AuthError as exc:
         raise AuthenticationFailed("unauthenticated", str(exc)) from None
-
-
-@asynccontextmanager
-async def connect(
-    url: str = DEFAULT_URL,
-    *,
-    user: str | None = None,
-    token: str | None = None,
-    key: Path | str | None = None,
-    key_password: str | None = None,
-    max_frame: int = DEFAULT_MAX_FRAME,
-) -> AsyncIterator[Client]:
-    """Opens a connection, reads the server's `Welcome` and, when `user` is given, authenticates
-    (with `token`, or by signing a challenge with the private `key`; neither when auth is off).
-    Raises `CannotConnect` or `AuthenticationFailed`."""
-    if (token is not None or key is not None) and user is None:
-        raise ValueError("a token or key needs a user")
-    async with AsyncExitStack() as stack:
-        ws = await _open(stack, url, max_frame)
-        client = Client(ws, url, max_frame)
-        options: dict[str, Any] = {"user": user, "token": token, "key": key}
-        options["key_password"] = key_password
-        try:
-            async with trio.open_nursery() as nursery:
-                await client._start(nursery)
-                client._peers = Peers(
-                    nursery, lambda peer: connect(peer, max_frame=max_frame, **options), url
-                )
-                try:
-                    await client._authenticate(
-                        user, token, None if key is None else Path(key), key_password
-                    )
-                    yield client
-                finally:
-                    client._lose(ConnectionLost(f"the connection to {url} was closed"))
-                    nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            raise_sole(group)
-
-
-async def _open(stack: AsyncExitStack, url: str, max_frame: int) -> WebSocketConnection:
-    opening = _open_websocket_url(url, max_message_size=max_frame, connect_timeout=CONNECT_SECONDS)
-    try:
-        return await stack.enter_async_context(opening)
-    except HandshakeError as exc:
-        raise CannotConnect(url, str(exc.__cause__ or exc) or type(exc).__name__) from None
-    except (OSError, ValueError) as exc:
-        raise CannotConnect(url, str(exc)) from None

@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 import trio
 
 from pie.client.bus import Watch
-from pie.client.connection import CHUNK_SIZE, DEFAULT_URL, Client, connect
+from pie.client.connection import CHUNK_SIZE, DEFAULT_URL, Client
 from pie.client.errors import ConnectionLost
 from pie.client.inferlet import Outcome, ProgramInfo, RemoteInferlet
+from pie.client.opening import connect
 from pie.wire import messages as msg
 
 T = TypeVar("T")
