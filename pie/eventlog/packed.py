@@ -124,9 +124,11 @@ def _field_codec(tp: Any) -> tuple[Packer, Packer] | None:
         return _pack_instance, _unpack_optional
     item = _item_type(tp)
     if item is not None and _holds_instances(item):
+        # map rather than a generator: one call per item instead of one per item and resume,
+        # for the lanes of every pass
         return (
-            lambda values: tuple(_pack_instance(v) for v in values),
-            lambda values: tuple(_unpack_instance(v) for v in values),
+            lambda values: tuple(map(_pack_instance, values)),
+            lambda values: tuple(map(_unpack_instance, values)),
         )
     return None
 
