@@ -314,13 +314,15 @@ class Frames:
         hints = typing.get_type_hints(type(request))
         name = self.rng.choice([f.name for f in attrs.fields(type(request))])
         required = attrs.fields_dict(type(request))[name].default is attrs.NOTHING
-        wrong: list[Any] = [[], {"a": 1}, 1.5]
+        wrong: list[Any] = [{"a": 1}, 1.5]
         if hints[name] is int:
-            wrong += ["1", 1.0, True]
+            wrong += [[], "1", 1.0, True]
         elif hints[name] in (str, str | None):
-            wrong += [1, False]
-        else:  # bytes: not a number, not base64
-            wrong += [7, "not base64!", "QUI"]
+            wrong += [[], 1, False]
+        elif typing.get_origin(hints[name]) is tuple:  # an empty array is a good one
+            wrong += ["a", [1], [None], [["a"]]]
+        else:  # bytes: not a number, not base64; bool: not a number, not a string
+            wrong += [[], 7, "not base64!", "QUI"]
         if required:
             wrong.append(None)
         data[name] = self.rng.choice(wrong)
