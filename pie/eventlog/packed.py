@@ -124,13 +124,24 @@ def _field_codec(tp: Any) -> tuple[Packer, Packer] | None:
         return _pack_instance, _unpack_optional
     item = _item_type(tp)
     if item is not None and _holds_instances(item):
-        # map rather than a generator: one call per item instead of one per item and resume,
-        # for the lanes of every pass
-        return (
-            lambda values: tuple(map(_pack_instance, values)),
-            lambda values: tuple(map(_unpack_instance, values)),
-        )
+        return _pack_each(item), lambda values: tuple(map(_unpack_instance, values))
     return None
+
+
+def _pack_each(item: Any) -> Packer:
+    """Packs a tuple of `item`s with one call per item, for the lanes of every pass: through
+    map rather than a generator, and, for items of one class, that class's packer (looked up
+    at the first tuple, since a class may be packed as a field of itself)."""
+    if len(_members(item)) > 1:
+        return lambda values: tuple(map(_pack_instance, values))
+    found: list[Packer] = []
+
+    def pack_all(values: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not found:
+            found.append(_PACKERS.get(item) or _packer_of(item))
+        return tuple(map(found[0], values))
+
+    return pack_all
 
 
 def _pack_instance(value: Any) -> Any:
