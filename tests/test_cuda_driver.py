@@ -17,6 +17,7 @@ from pie.drivers.loader import LoadedModel, load_model
 from pie.drivers.select import load_flashinfer
 from pie.drivers.torch_driver import TorchDriver
 from tests.contracts.driver import DriverContract
+from tests.contracts.driver_chaining import ChainingContract
 from tests.contracts.passes import (
     NewDriver,
     PageSupply,
@@ -51,7 +52,7 @@ def _flashinfer_or_skip() -> Any:
     return module
 
 
-class _CudaDriverRunner(DriverContract):
+class _CudaDriverRunner(DriverContract, ChainingContract):
     device: ClassVar[str]
     dtype: ClassVar[torch.dtype]
     case: ClassVar[dict[str, Any]]
@@ -280,3 +281,38 @@ def test_every_graph_bucket_replays_the_eager_pass(
             assert_close(
                 logits_of(got), logits_of(want), TestCudaDriverOnFlashinfer.logit_tolerance
             )
+
+
+def test_the_gpu_benchs_chained_steps_make_the_tokens_fed_steps_make(tmp_path: Path) -> None:
+    """`pie bench gpu`'s chained decode (each step launched before the last is collected) on the
+    reference kernels: the same greedy tokens as its steps fed from the host."""
+    from pie.cli.bench.gpu import Workload
+
+    save_tiny_model(tmp_path, dict(model_type="qwen3", head_dim=32))
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    made = []
+    for chained in (False, True):
+        driver = CudaDriver(
+            loaded.model,
+            loaded.config,
+            kernels=paged_reference,
+            device="cpu",
+            dtype=torch.float32,
+            model_name="t",
+            graph_batch_sizes=(1, 2, 4),
+            capture=False,
+            seed=0,
+            page_size=16,
+            num_pages=64,
+            max_batch_tokens=256,
+            max_batch_requests=4,
+        )
+        work = Workload(driver, 3, 64)
+        work.prefill(driver, 8, 256)
+        if chained:
+            steps = work.chained_steps(driver, 6)
+        else:
+            steps = [work.decode_step(driver) for _ in range(6)]
+        assert len(steps) == 6
+        made.append((work.last, work.lengths))
+    assert made[0] == made[1]

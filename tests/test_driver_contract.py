@@ -15,6 +15,7 @@ from pie.drivers.loader import LoadedModel, load_model
 from pie.drivers.synthetic import SyntheticDriver
 from pie.drivers.torch_driver import TorchDriver
 from tests.contracts.driver import DriverContract
+from tests.contracts.driver_chaining import ChainingContract
 from tests.contracts.passes import NewDriver, Reference
 from tests.tiny_models import TINY_CASES, TINY_TOLERANCE, save_tiny_model
 from tests.tiny_models import reference_logits as transformers_logits
@@ -48,7 +49,7 @@ class TestSyntheticDriver(DriverContract):
         return one_hot
 
 
-class TestTorchDriver(DriverContract):
+class TestTorchDriver(DriverContract, ChainingContract):
     """On a tiny random Qwen3 (GQA, q/k norm) against transformers; a subclass that sets
     `device` runs the same contract on another torch device."""
 

@@ -40,6 +40,10 @@ class ForwardBatch:
     copies: list[tuple[int, int]] = field(factory=list)
     media: list[tuple[int, MediaRun]] = field(factory=list)
     """(flat index of the run's first token, run): tokens read from media encoder output."""
+    chained: list[tuple[int, int]] = field(factory=list)
+    """(flat index of a token, sampling slot of the pass launched just before this one): the
+    token that slot samples, written into this pass's inputs on the device before it runs (its
+    entry in `token_ids` is a placeholder). See TorchDriver.launch."""
 
     @property
     def num_requests(self) -> int:
@@ -87,8 +91,12 @@ class ForwardBatch:
         masked_pages: tuple[int, ...],
         op: SlotOp,
         adapter: str | None = None,
+        chained_from: int | None = None,
     ) -> None:
-        """One token with one sampling slot on it: what a lane pass runs."""
+        """One token with one sampling slot on it: what a lane pass runs. With `chained_from`,
+        the token is what that slot of the previous pass samples (`token` is a placeholder)."""
+        if chained_from is not None:
+            self.chained.append((len(self.token_ids), chained_from))
         self.slot_tokens.append(len(self.token_ids))
         self.slot_requests.append(len(self.kv_lens))
         self.slot_ops.append(op)

@@ -24,7 +24,7 @@ from pie.drivers.media_store import MediaStore
 from pie.drivers.models.base import PLAIN_ATTENTION, CausalLM, ModelConfig
 from pie.drivers.paged_kernels import PagedKernels
 from pie.drivers.paged_plan import AttentionPlan, plan_attention
-from pie.drivers.torch_driver import TorchDriver
+from pie.drivers.torch_driver import Chained, TorchDriver
 
 
 class CudaDriver(TorchDriver):
@@ -80,6 +80,8 @@ class CudaDriver(TorchDriver):
         self.kernels = PagedKernels(
             kernels, self.cache, num_heads=config.num_heads, device=self.cache.device
         )
+        self._planned: torch.cuda.Event | None = None
+        """Marks the end of the last pass's planning copies (see _prepare)."""
         self.graphs: DecodeGraphs | None = None
         if graph_batch_sizes is not None:
             self.graphs = DecodeGraphs(
@@ -96,26 +98,38 @@ class CudaDriver(TorchDriver):
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
         return PagedKvCache(shape, num_pages + 1, device)
 
-    def _prepare(self, batch: ForwardBatch) -> Any:
+    def _prepare(self, batch: ForwardBatch, chained: Chained | None) -> Any:
+        # Planning writes each wrapper's pinned host buffers, which the device copies from in
+        # stream order: the last pass's copies must be done before this plan overwrites them.
+        if self._planned is not None:
+            self._planned.synchronize()
         plan = plan_attention(batch, self.info.page_size)
         # The graphs were captured with no adapter chosen: a pass that names one runs eagerly.
         adapted = any(name is not None for name in batch.adapters)
         # Graphs hold token embeddings only: a pass with soft tokens (media) runs eagerly.
         graph = None if adapted or batch.media else self._graph_for(plan)
+        prepared: Any
         if graph is not None:
             positions = self._rope_positions(batch)
-            graph.prepare(batch.token_ids, positions, plan.write_rows, plan.groups[0])
-            return graph
-        return self.kernels.attention(plan, batch.num_tokens)
+            graph.prepare(batch.token_ids, positions, plan.write_rows, plan.groups[0], chained)
+            prepared = graph
+        else:
+            prepared = self.kernels.attention(plan, batch.num_tokens)
+        if self.cache.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+        return prepared
 
     def _graph_for(self, plan: AttentionPlan) -> DecodeGraph | None:
         if self.graphs is None or not plan.is_decode_only:
             return None
         return self.graphs.for_group(plan.groups[0])
 
-    def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
+    def _slot_logits(
+        self, batch: ForwardBatch, prepared: Any, chained: Chained | None
+    ) -> torch.Tensor | None:
         if not isinstance(prepared, DecodeGraph):
-            return super()._slot_logits(batch, prepared)
+            return super()._slot_logits(batch, prepared, chained)
         logits = prepared.replay()
         if not batch.slot_ops:
             return None

@@ -62,8 +62,8 @@ class DecodeGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
-        """Marks the copy out of `host`, which must end before `host` is written again (a
-        pass with no slot never waits for the device)."""
+        """Marks the copies out of `host` and the plan's host buffers, which must end before
+        they are written again: the device may still be running an earlier pass."""
 
     def fits(self, group: PagedGroup) -> bool:
         return group.num_requests <= self.size and len(group.kv_indices) < self.max_indices
@@ -74,8 +74,10 @@ class DecodeGraph:
         positions: Sequence[int],
         rows: Sequence[int],
         group: PagedGroup,
+        chained: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Fills the static buffers for `group` (its requests in batch order) and plans it."""
+        """Fills the static buffers for `group` (its requests in batch order) and plans it;
+        `chained` (token indices, device tokens) overwrites those tokens on the device."""
         if self._copied is not None:
             self._copied.synchronize()
         n = len(tokens)
@@ -92,10 +94,12 @@ class DecodeGraph:
             )
         )
         self.inputs.copy_(self.host, non_blocking=True)
+        if chained is not None:
+            self.inputs[0].index_copy_(0, *chained)
+        self.kernels.plan_decode(self.wrapper, *padded_decode(group, self.size, self.scratch_page))
         if self.inputs.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        self.kernels.plan_decode(self.wrapper, *padded_decode(group, self.size, self.scratch_page))
 
     def _forward(self) -> torch.Tensor:
         planned = [PlannedGroup(self.wrapper)]

@@ -159,19 +159,75 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Ten
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def read_slots(
+class SlotReadout:
+    """A pass's sampling slots, read out on the device and on their way to the host: every
+    token and probe value in one float64 tensor (float64 holds token ids and float32 values
+    exactly), copied in one transfer that `outputs` waits for. Until then, `tokens_of` gives
+    the sampled tokens on the device, for a pass that feeds them to the next one."""
+
+    def __init__(
+        self,
+        ops: Sequence[SlotOp],
+        token_slots: list[int],
+        parts: list[torch.Tensor],
+        probes: list[tuple[int, Probe]],
+        sizes: list[int],
+    ) -> None:
+        self.ops = ops
+        self.token_slots = token_slots
+        self.probes = probes
+        self.sizes = sizes
+        self._where = {slot: i for i, slot in enumerate(token_slots)}
+        self.flat = torch.cat(parts) if parts else None
+        self.host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if self.flat is not None and self.flat.is_cuda:
+            self.host = torch.empty(self.flat.shape, dtype=self.flat.dtype, pin_memory=True)
+            self.host.copy_(self.flat, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        elif self.flat is not None:
+            self.host = self.flat
+
+    def samples(self, slot: int) -> bool:
+        """Whether `slot` samples a token (rather than probing)."""
+        return slot in self._where
+
+    def tokens_of(self, slots: Sequence[int]) -> torch.Tensor:
+        """The tokens the sampler slots `slots` drew, int64 on the device (ready in stream
+        order: a kernel queued after this pass reads them once they exist)."""
+        assert self.flat is not None
+        index = torch.tensor([self._where[s] for s in slots], dtype=torch.long)
+        return self.flat.index_select(0, index.to(self.flat.device, non_blocking=True)).long()
+
+    def outputs(self) -> list[SlotOutput]:
+        """One output per slot, in slot order (waits for the copy to the host)."""
+        if self.host is None:
+            return []
+        if self._copied is not None:
+            self._copied.synchronize()
+        flat: list[float] = self.host.tolist()
+        outputs: list[SlotOutput | None] = [None] * len(self.ops)
+        for slot, token in zip(self.token_slots, flat, strict=False):
+            outputs[slot] = TokenOutput(token=int(token))
+        cursor = len(self.token_slots)
+        for (i, op), size in zip(self.probes, self.sizes, strict=True):
+            outputs[i] = _probe_output(op, flat[cursor : cursor + size])
+            cursor += size
+        assert all(out is not None for out in outputs)
+        return outputs  # type: ignore[return-value]
+
+
+def launch_slots(
     logits: torch.Tensor,
     ops: Sequence[SlotOp],
     generator: torch.Generator,
     allowed: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-) -> list[SlotOutput]:
-    """One output per slot, in slot order; row i of `logits` [N, V] belongs to ops[i]. `bias`
-    ([N, V], or None) is added first, then the logit mask `allowed` applies.
-
-    Every token and probe value is computed where the logits are and comes back to the host
-    in one copy (float64 holds token ids and float32 values exactly).
-    """
+) -> SlotReadout:
+    """Samples and probes every slot where the logits are, without waiting for the device;
+    row i of `logits` [N, V] belongs to ops[i]. `bias` ([N, V], or None) is added first, then
+    the logit mask `allowed` applies."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
     logits = mask_logits(logits, allowed)
@@ -183,15 +239,15 @@ def read_slots(
         values = _probe_values(logits[i], op)
         sizes.append(values.numel())
         parts.append(values.double())
-    if not parts:
-        return []
-    flat: list[float] = torch.cat(parts).cpu().tolist()
-    outputs: list[SlotOutput | None] = [None] * len(ops)
-    for slot, token in zip(token_slots, flat, strict=False):
-        outputs[slot] = TokenOutput(token=int(token))
-    cursor = len(token_slots)
-    for (i, op), size in zip(probes, sizes, strict=True):
-        outputs[i] = _probe_output(op, flat[cursor : cursor + size])
-        cursor += size
-    assert all(out is not None for out in outputs)
-    return outputs  # type: ignore[return-value]
+    return SlotReadout(ops, token_slots, parts, probes, sizes)
+
+
+def read_slots(
+    logits: torch.Tensor,
+    ops: Sequence[SlotOp],
+    generator: torch.Generator,
+    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> list[SlotOutput]:
+    """One output per slot, in slot order (launch_slots, then its outputs)."""
+    return launch_slots(logits, ops, generator, allowed, bias).outputs()

@@ -4,7 +4,6 @@ runs the model with paged attention, and reads every sampling slot out of the lo
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from attrs import frozen
 from pie.drivers.attention import PagedAttention, rle_rows
 from pie.drivers.base import DriverError, DriverInfo
 from pie.drivers.batch import ForwardBatch
+from pie.drivers.batch_checks import validate_batch
 from pie.drivers.cpu_layers import cpu_layer_kernels
 from pie.drivers.decode_attention import reads_in_place
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
@@ -25,8 +25,8 @@ from pie.drivers.memory import model_bytes
 from pie.drivers.models.base import CausalLM, LayerAttention, ModelConfig
 from pie.drivers.models.media import MediaRows
 from pie.drivers.page_transfer import CachePages
-from pie.drivers.sampling import read_slots
-from pie.events.sampling import PROBES, SAMPLERS, LogitBias, LogProbs, Penalty, Rle, SlotOutput
+from pie.drivers.sampling import SlotReadout, launch_slots
+from pie.events.sampling import LogitBias, Penalty, SlotOutput
 
 
 @frozen(kw_only=True)
@@ -39,126 +39,18 @@ class DriverStatistics:
     total_seconds: float
 
 
-def _check_rle(runs: Rle, lengths: Sequence[int], what: str) -> None:
-    if any(run < 0 for run in runs):
-        raise DriverError(f"{what} has a negative run length")
-    if sum(runs) not in lengths:
-        expected = " or ".join(str(n) for n in lengths)
-        raise DriverError(f"{what} runs add up to {sum(runs)}, expected {expected}")
+Chained = tuple[torch.Tensor, torch.Tensor]
+"""A pass's chained tokens on the device: (flat token indices, the tokens to write there)."""
 
 
-def _check_shape(batch: ForwardBatch, info: DriverInfo) -> None:
-    """The flat lists agree with each other and with the driver's limits."""
-    r = batch.num_requests
-    if len(batch.positions) != batch.num_tokens:
-        raise DriverError(
-            f"batch has {batch.num_tokens} token ids but {len(batch.positions)} positions"
-        )
-    per_request = {
-        "qo_indptr": len(batch.qo_indptr) - 1,
-        "kv_page_indptr": len(batch.kv_page_indptr) - 1,
-        "masked_pages": len(batch.masked_pages),
-        "attention_masks": len(batch.attention_masks),
-        "logit_masks": len(batch.logit_masks),
-        "logit_biases": len(batch.logit_biases),
-        "penalties": len(batch.penalties),
-        "adapters": len(batch.adapters),
-    }
-    for name, count in per_request.items():
-        if count != r:
-            raise DriverError(f"batch has {r} requests but {name} describes {count}")
-    if batch.qo_indptr[0] != 0 or batch.qo_indptr[-1] != batch.num_tokens:
-        raise DriverError(f"qo_indptr does not span the batch's {batch.num_tokens} tokens")
-    if batch.kv_page_indptr[0] != 0 or batch.kv_page_indptr[-1] != len(batch.kv_page_indices):
-        raise DriverError("kv_page_indptr does not span kv_page_indices")
-    if batch.num_tokens > info.max_batch_tokens:
-        raise DriverError(f"batch has {batch.num_tokens} tokens, limit {info.max_batch_tokens}")
-    if r > info.max_batch_requests:
-        raise DriverError(f"batch has {r} requests, limit {info.max_batch_requests}")
+@frozen
+class LaunchedPass:
+    """A pass queued on the device: its slots' readout (None: no slot), when `launch` began,
+    and its token count."""
 
-
-def _check_request(batch: ForwardBatch, r: int, info: DriverInfo) -> None:
-    """Request r's tokens, pages and attention masks are consistent and in range."""
-    what = f"request {r}"
-    start, end = batch.qo_indptr[r], batch.qo_indptr[r + 1]
-    n, kv_len = end - start, batch.kv_lens[r]
-    pages = batch.kv_page_indices[batch.kv_page_indptr[r] : batch.kv_page_indptr[r + 1]]
-    if n < 1:
-        raise DriverError(f"{what} has no tokens")
-    if kv_len < n:
-        raise DriverError(f"{what} has kv_len {kv_len}, smaller than its {n} new tokens")
-    if len(pages) * info.page_size < kv_len:
-        raise DriverError(f"{what} has {len(pages)} pages, too few for kv_len {kv_len}")
-    if any(not 0 <= p < info.num_pages for p in pages):
-        raise DriverError(f"{what} names a page outside [0, {info.num_pages})")
-    if any(not 0 <= p < len(pages) for p in batch.masked_pages[r]):
-        raise DriverError(f"{what} masks a page index outside its {len(pages)} pages")
-    adapter = batch.adapters[r]
-    if adapter is not None and adapter not in info.adapters:
-        raise DriverError(f"{what} names adapter {adapter!r}, which is not loaded")
-    tokens = batch.token_ids[start:end]
-    if min(tokens) < 0 or max(tokens) >= info.vocab_size:
-        raise DriverError(f"{what} has a token id outside [0, {info.vocab_size})")
-    masks = batch.attention_masks[r]
-    if masks is not None:
-        if len(masks) != n:
-            raise DriverError(f"{what} has {len(masks)} attention masks for {n} tokens")
-        for t, mask in enumerate(masks):
-            slot = kv_len - n + t
-            _check_rle(mask, (slot + 1, kv_len), f"{what} attention mask of token {t}")
-    logit_mask = batch.logit_masks[r]
-    if logit_mask is not None:
-        _check_rle(logit_mask, (info.vocab_size,), f"{what} logit mask")
-        if sum(logit_mask[0::2]) == 0:
-            raise DriverError(f"{what} logit mask allows no token")
-    for i, bias in enumerate(batch.logit_biases[r]):
-        _check_rle(bias.mask, (info.vocab_size,), f"{what} logit bias {i}")
-        if not math.isfinite(bias.value):
-            raise DriverError(f"{what} logit bias {i} is not a finite number")
-    penalty = batch.penalties[r]
-    if penalty is not None:
-        if not (math.isfinite(penalty.presence) and math.isfinite(penalty.frequency)):
-            raise DriverError(f"{what} penalty is not a finite number")
-        if any(not 0 <= t < info.vocab_size for t in penalty.tokens):
-            raise DriverError(f"{what} penalty counts a token outside the vocabulary")
-
-
-def _check_slots(batch: ForwardBatch, info: DriverInfo) -> None:
-    """Each sampling slot reads a token of its own request with a known op."""
-    count = len(batch.slot_ops)
-    if len(batch.slot_requests) != count or len(batch.slot_tokens) != count:
-        raise DriverError("slot_requests, slot_tokens and slot_ops differ in length")
-    for i, (r, token, op) in enumerate(
-        zip(batch.slot_requests, batch.slot_tokens, batch.slot_ops, strict=True)
-    ):
-        if not 0 <= r < batch.num_requests:
-            raise DriverError(f"slot {i} names request {r}, not in the batch")
-        if not batch.qo_indptr[r] <= token < batch.qo_indptr[r + 1]:
-            raise DriverError(f"slot {i} of request {r} reads token {token}, not one of its own")
-        if not isinstance(op, (*SAMPLERS, *PROBES)):
-            raise DriverError(f"slot {i} of request {r} has an unknown op {op!r}")
-        if isinstance(op, LogProbs) and any(not 0 <= t < info.vocab_size for t in op.tokens):
-            raise DriverError(f"slot {i} of request {r} asks log-probs of a token out of range")
-
-
-def _check_copies(batch: ForwardBatch, info: DriverInfo) -> None:
-    for src, dst in batch.copies:
-        if not (0 <= src < info.num_pages and 0 <= dst < info.num_pages):
-            raise DriverError(
-                f"page copy {src} -> {dst} names a page outside [0, {info.num_pages})"
-            )
-    destinations = [dst for _, dst in batch.copies]
-    if len(set(destinations)) != len(destinations):
-        raise DriverError("two page copies write the same page")
-
-
-def validate_batch(batch: ForwardBatch, info: DriverInfo) -> None:
-    """Raises DriverError naming the request and the problem when `batch` is malformed."""
-    _check_shape(batch, info)
-    for r in range(batch.num_requests):
-        _check_request(batch, r, info)
-    _check_slots(batch, info)
-    _check_copies(batch, info)
+    readout: SlotReadout | None
+    started: float
+    tokens: int
 
 
 class TorchDriver:
@@ -226,6 +118,8 @@ class TorchDriver:
         else:
             self.generator.manual_seed(seed)
         self._stats = DriverStatistics(passes=0, tokens=0, last_pass_seconds=0.0, total_seconds=0.0)
+        self._previous: SlotReadout | None = None
+        """The readout of the pass launched last, which the next one's chained tokens read."""
 
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
         # On the CPU the pool stays unwritten (not resident) until passes use its pages.
@@ -257,33 +151,57 @@ class TorchDriver:
         return self._model_bytes, cache.used_pages * page, cache.num_pages * page, self.info.device
 
     def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: ForwardBatch) -> LaunchedPass:
+        """Checks the batch and queues its pass on the device without waiting for it; the
+        pass's `chained` tokens are read from the readout of the pass launched before it.
+        `collect` waits for the outputs. A pass launched while another is uncollected runs
+        after it (one stream), so the host builds the next pass while the device runs this
+        one. Raises DriverError for a malformed batch without changing any KV page."""
         started = time.perf_counter()
         with torch.inference_mode():
-            outputs = self._run(batch)
-        elapsed = time.perf_counter() - started
+            validate_batch(batch, self.info)
+            chained = self._chained_sources(batch)
+            self.cache.prepare(batch.kv_page_indices)
+            prepared = self._prepare(batch, chained)
+            allowed = self._allowed_tokens(batch)
+            bias = self._slot_bias(batch)
+            self._copy_pages(batch.copies)
+            with self._adapters_applied(batch):
+                logits = self._slot_logits(batch, prepared, chained)
+            readout = None
+            if logits is not None:
+                readout = launch_slots(logits, batch.slot_ops, self.generator, allowed, bias)
+        self._previous = readout
+        return LaunchedPass(readout=readout, started=started, tokens=batch.num_tokens)
+
+    def collect(self, launched: LaunchedPass) -> list[SlotOutput]:
+        """The outputs of a launched pass, one per sampling slot in the batch's slot order."""
+        outputs = [] if launched.readout is None else launched.readout.outputs()
+        elapsed = time.perf_counter() - launched.started
         s = self._stats
         self._stats = DriverStatistics(
             passes=s.passes + 1,
-            tokens=s.tokens + batch.num_tokens,
+            tokens=s.tokens + launched.tokens,
             last_pass_seconds=elapsed,
             total_seconds=s.total_seconds + elapsed,
         )
         return outputs
 
-    def _run(self, batch: ForwardBatch) -> list[SlotOutput]:
-        validate_batch(batch, self.info)
-        self.cache.prepare(batch.kv_page_indices)
-        prepared = self._prepare(batch)
-        allowed = self._allowed_tokens(batch)
-        bias = self._slot_bias(batch)
-        self._copy_pages(batch.copies)
-        with self._adapters_applied(batch):
-            logits = self._slot_logits(batch, prepared)
-        if logits is None:
-            return []
-        return read_slots(logits, batch.slot_ops, self.generator, allowed, bias)
+    def _chained_sources(self, batch: ForwardBatch) -> Chained | None:
+        """The device tokens the batch's chained entries read, and where they go."""
+        if not batch.chained:
+            return None
+        previous = self._previous
+        sources = [slot for _, slot in batch.chained]
+        if previous is None or not all(previous.samples(slot) for slot in sources):
+            raise DriverError("a chained token names a slot the previous pass does not sample")
+        device = self.cache.device
+        targets = torch.tensor([index for index, _ in batch.chained], dtype=torch.long)
+        return targets.to(device, non_blocking=True), previous.tokens_of(sources)
 
-    def _prepare(self, batch: ForwardBatch) -> Any:
+    def _prepare(self, batch: ForwardBatch, chained: Chained | None) -> Any:
         """What the pass needs built before any KV page changes: its attention."""
         return PagedAttention(
             batch, self.cache, self.attention_layers, in_place_decode=self.in_place_decode
@@ -294,12 +212,17 @@ class TorchDriver:
             return contextlib.nullcontext()
         return self.adapters.applied(batch)
 
-    def _slot_logits(self, batch: ForwardBatch, prepared: Any) -> torch.Tensor | None:
+    def _slot_logits(
+        self, batch: ForwardBatch, prepared: Any, chained: Chained | None
+    ) -> torch.Tensor | None:
         """Runs the model over the batch; float32 logits [slots, vocab], None with no slot."""
         device = self.cache.device
         media = {"media": self._media_rows(batch)} if batch.media else {}
+        token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
+        if chained is not None:
+            token_ids.index_copy_(0, *chained)
         hidden = self.model(
-            torch.tensor(batch.token_ids, dtype=torch.long, device=device),
+            token_ids,
             torch.tensor(self._rope_positions(batch), dtype=torch.long, device=device),
             prepared,
             **media,

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from pie.config import EngineConfig
 from pie.drivers.base import DriverError
 from pie.drivers.batch import ForwardBatch
+from pie.drivers.batch_checks import validate_batch
 from pie.drivers.select import DriverChoice
 from pie.drivers.tokenizer import Tokenizer
-from pie.drivers.torch_driver import TorchDriver, validate_batch
+from pie.drivers.torch_driver import TorchDriver
 from pie.events.sampling import SlotOutput
 
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}

@@ -4,17 +4,20 @@ float32 samples at the rate a model asks for, within the [media] limits."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
 from attrs import frozen
-from av.audio.stream import AudioStream
-from av.container import InputContainer
 from numpy.typing import NDArray
 
 from pie.config.media_section import DEFAULT_MEDIA_LIMITS, MediaConfig
 from pie.media.containers import first_stream, open_container, stated_seconds
 from pie.media.errors import MediaTooLarge, check_bytes, decoder_errors
+
+if TYPE_CHECKING:
+    import av
+    from av.audio.stream import AudioStream
+    from av.container import InputContainer
 
 CONTAINERS = ("wav", "flac", "ogg", "mp3", "aac", "aiff", "matroska", "webm", "mov", "mp4")
 """av's demuxers audio may come in (mov/mp4 hold .m4a files)."""
@@ -59,6 +62,8 @@ def _resampled(
     (a header may state a wrong length, or none)."""
     # The resampler keeps the channels: ffmpeg's own downmix to mono adds them at -3 dB
     # (a sine in both channels comes out 1.41 times louder), not their mean.
+    import av
+
     resampler = av.AudioResampler(format="fltp", rate=rate)
     decoded = 0.0
     for frame in container.decode(stream):

@@ -6,16 +6,16 @@ from __future__ import annotations
 import io
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
-
-import av
-from av.container import InputContainer
-from av.stream import Stream
+from typing import TYPE_CHECKING, TypeVar
 
 from pie.media.errors import CorruptMedia, UnsupportedMedia, complaint
 from pie.media.sniff import describe
 
-StreamT = TypeVar("StreamT", bound=Stream)
+if TYPE_CHECKING:
+    from av.container import InputContainer
+    from av.stream import Stream
+
+StreamT = TypeVar("StreamT", bound="Stream")
 
 
 @contextmanager
@@ -25,6 +25,8 @@ def open_container(data: bytes, kind: str, formats: Collection[str]) -> Iterator
     ffmpeg probes the format from the first bytes and then refuses a demuxer not in the list
     before it reads any further."""
     options = {"format_whitelist": ",".join(formats)}
+    import av  # loaded on the first decode: most processes never decode media
+
     try:
         container = av.open(io.BytesIO(data), "r", container_options=options)
     except av.error.ArgumentError as exc:
@@ -60,5 +62,7 @@ def stated_seconds(container: InputContainer, stream: Stream) -> float | None:
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
+        import av
+
         return float(container.duration / av.time_base)
     return None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 
-import av
 import numpy as np
 from attrs import frozen
 from numpy.typing import NDArray
@@ -43,6 +42,8 @@ class SpeechClip:
         # x * 32768 rounded is what a reader's division by 32768 inverts to within half a step.
         pcm = np.clip(np.rint(self.samples * 32768.0), -32768, 32767).astype(np.int16)
         out = io.BytesIO()
+        import av
+
         with av.open(out, mode="w", format="wav") as container:
             stream = container.add_stream("pcm_s16le", rate=self.sample_rate, layout=layout)
             container.start_encoding()  # the header, even for a clip of no samples

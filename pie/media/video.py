@@ -4,11 +4,9 @@ within the [media] limits. GIF and WebP animations sent as video go to the image
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from av.container import InputContainer
-from av.video.frame import VideoFrame
-from av.video.stream import VideoStream
 from numpy.typing import NDArray
 
 from pie.config.media_section import DEFAULT_MEDIA_LIMITS, MediaConfig
@@ -17,6 +15,11 @@ from pie.media.errors import CorruptMedia, MediaTooLarge, check_bytes, check_pix
 from pie.media.frames import DecodedVideo, frames_wanted, sampled_frame, uniform_times
 from pie.media.images import decode_animation
 from pie.media.sniff import is_animated_image_format
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
+    from av.video.frame import VideoFrame
+    from av.video.stream import VideoStream
 
 CONTAINERS = ("mov", "mp4", "matroska", "webm", "avi", "mpegts", "mpeg", "ogg", "flv", "m4v")
 """av's demuxers a video may come in; also the raw streams below."""

@@ -145,11 +145,40 @@ class Workload:
         )
 
     def decode_step(self, driver: CudaDriver) -> tuple[float, int]:
+        batch = self._decode_batch(chained=False)
+        kv_slots = sum(self.lengths)
+        return _timed(driver, batch, self), kv_slots
+
+    def _decode_batch(self, chained: bool) -> ForwardBatch:
+        """Every context's next step; chained: its token is what the pass before sampled in
+        the context's slot (slot c), read on the device."""
         batch = ForwardBatch()
         for c in range(len(self.pages)):
             self._add(batch, c, [self.last[c]])
-        kv_slots = sum(self.lengths)
-        return _timed(driver, batch, self), kv_slots
+        if chained:
+            batch.chained = [(c, c) for c in range(len(self.pages))]
+        return batch
+
+    def chained_steps(self, driver: CudaDriver, steps: int) -> list[tuple[float, int]]:
+        """`steps` decode steps, each launched before the one before it is collected and
+        reading that one's tokens on the device: the host builds a step while the device runs
+        the last. Each step's time is the time between two collects."""
+        timed: list[tuple[float, int]] = []
+        launched = driver.launch(self._decode_batch(chained=False))
+        last = time.perf_counter()
+        for step in range(steps):
+            kv_slots = sum(self.lengths)
+            following = (
+                driver.launch(self._decode_batch(chained=True)) if step + 1 < steps else None
+            )
+            outputs = driver.collect(launched)
+            now = time.perf_counter()
+            timed.append((now - last, kv_slots))
+            last = now
+            if following is not None:
+                launched = following
+        self.last = [getattr(out, "token", 1) for out in outputs]
+        return timed
 
 
 def _timed(driver: CudaDriver, batch: ForwardBatch, work: Workload) -> float:
@@ -173,12 +202,16 @@ def decode_figures(
     tokens: int,
     bandwidth: float,
     profile_rows: int = 0,
+    chained: bool = False,
 ) -> dict[str, float]:
     work = Workload(driver, concurrency, PROMPT + tokens + SPARE_STEPS)
     work.prefill(driver, PROMPT, driver.info.max_batch_tokens)
     for _ in range(3):
         work.decode_step(driver)
-    steps = [work.decode_step(driver) for _ in range(tokens)]
+    if chained:
+        steps = work.chained_steps(driver, tokens)
+    else:
+        steps = [work.decode_step(driver) for _ in range(tokens)]
     seconds = [s for s, _ in steps]
     weight_bytes = sum(p.numel() * p.element_size() for p in driver.model.parameters())
     kv_per_slot = driver.cache.bytes_per_page // PAGE_SIZE
@@ -270,6 +303,9 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             for c in concurrency
         ]
         if graphs:
+            results["decode_chained"] = [
+                decode_figures(driver, c, args.tokens, bandwidth, chained=True) for c in concurrency
+            ]
             results["prefill"] = prefill_figures(driver, args.prefill_tokens, 4)
         del driver
         torch.cuda.empty_cache()
@@ -279,10 +315,11 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
 def _print_table(result: dict[str, Any], out: Any) -> None:
     print(f"\n{result['shape']} (bfloat16, flashinfer {result['flashinfer']})", file=out)
     print("  mode    conc  tok/s      p50 ms  p99 ms  graph ms  roofline ms  % roofline", file=out)
-    for key in ("decode", "decode_eager"):
+    modes = {"decode": "graphs", "decode_chained": "chained", "decode_eager": "eager"}
+    for key, mode in modes.items():
         for row in result.get(key, []):
             print(
-                f"  {'graphs' if key == 'decode' else 'eager':7} {row['concurrency']:4}"
+                f"  {mode:7} {row['concurrency']:4}"
                 f"  {row['tokens_per_s']:9.0f}  {row['step_ms_p50']:6.2f}  "
                 f"{row['step_ms_p99']:6.2f}  {row['graph_ms']:8.3f}  "
                 f"{row['roofline_step_ms']:11.3f}  {row['roofline_pct']:9.1f}",
