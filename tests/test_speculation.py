@@ -12,24 +12,35 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import trio
 
 from pie.actors.kv import KvCore
 from pie.config import EngineConfig, with_overrides
+from pie.drivers.factory import build_driver
 from pie.engine import Engine, open_engine
 from pie.eventlog.replay import replay
 from pie.events.speculation import LanePassesApplied
 from tests.inferlet_fixtures import GUESTS
 from tests.inferlet_fixtures import build_inferlet as built  # noqa: F401  (fixture)
 from tests.model_fixtures import default_model_dir, real_model  # noqa: F401  (fixture)
+from tests.tiny_models import save_tiny_model
 
 SETTINGS = {
     "off": {"fast_path": False},
     "depth 0": {"speculation_depth": 0},
     "depth 1": {"speculation_depth": 1},
     "depth 4": {"speculation_depth": 4},
+    # Passes launched behind the pass whose tokens they read (on the CPU too, for the test).
+    "depth 1 chained": {"speculation_depth": 1, "chain_passes": "on"},
+    "depth 4 chained": {"speculation_depth": 4, "chain_passes": "on"},
 }
 PROMPT = "Write one sentence about the sea."
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+"""A chat template for the tiny models' tokenizer, which has none."""
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +68,17 @@ MODES = [
 
 
 async def run_modes(
-    engine: Engine, wasm: bytes, modes: list[str], stop: str = ""
+    engine: Engine, wasm: bytes, modes: list[str], stop: str = "", floor: int = 5000
 ) -> dict[str, Any]:
-    """Runs every mode at once (so they share passes) and returns each one's result."""
+    """Runs every mode at once (so they share passes) and returns each one's result; the
+    masked modes sample ids from `floor` up."""
     program = engine.programs.add(wasm).hash
     results: dict[str, Any] = {}
 
     async def one(mode: str) -> None:
-        request = json.dumps({"mode": mode, "prompt": PROMPT, "tokens": 12, "stop": stop})
+        request = json.dumps(
+            {"mode": mode, "prompt": PROMPT, "tokens": 12, "stop": stop, "floor": floor}
+        )
         outcome = await engine.run_inferlet(program, request)
         assert outcome.status == "returned", outcome.error
         results[mode] = json.loads(outcome.result or "null")
@@ -97,20 +111,25 @@ def split_stop(tokenizer: Any, tokens: list[int]) -> str:
     raise AssertionError(f"no stop string splits two tokens of {pieces}")
 
 
-@pytest.mark.model
-async def test_every_decode_gives_the_same_tokens_at_every_depth(
-    real: tuple[EngineConfig, Any, Any], probe: bytes
-) -> None:
-    config, driver, tokenizer = real
+async def same_tokens_at_every_depth(
+    config: EngineConfig,
+    driver: Any,
+    tokenizer: Any,
+    probe: bytes,
+    settings: dict[str, Any],
+    floor: int = 5000,
+) -> dict[str, Any]:
+    """Runs every mode under each of `settings` (the first with the fast path off), checks
+    they all give the same results, and returns each setting's speculation counts."""
     async with open_engine(config, driver=driver, tokenizer=tokenizer) as engine:
         greedy = (await run_modes(engine, probe, ["greedy_steps"]))["greedy_steps"]["generated"]
     stop = split_stop(tokenizer, greedy)
     seen: dict[str, dict[str, Any]] = {}
     counts = {}
-    for name, scheduler in SETTINGS.items():
+    for name, scheduler in settings.items():
         configured = with_overrides(config, scheduler=scheduler)
         async with open_engine(configured, driver=driver, tokenizer=tokenizer) as engine:
-            seen[name] = await run_modes(engine, probe, MODES, stop)
+            seen[name] = await run_modes(engine, probe, MODES, stop, floor)
             with trio.fail_after(10):
                 while engine.kv.core.leases:
                     await trio.sleep(0.01)
@@ -130,14 +149,66 @@ async def test_every_decode_gives_the_same_tokens_at_every_depth(
     # The token that completes the stop string ends the generation (its text stops before it).
     assert stopped == greedy[: len(stopped)] and len(stopped) < len(greedy)
     assert stop in tokenizer.decode(stopped) and stop not in tokenizer.decode(stopped[:-1])
-    for name in SETTINGS:
+    for name in settings:
         assert seen[name] == reference, name
     assert counts["off"].leases == 0 and counts["off"].direct == 0
     assert counts["depth 0"].staged == 0 and counts["depth 0"].direct > 20
-    for name in ("depth 1", "depth 4"):
-        assert counts[name].hits > 20, counts[name]
-        # The course changes and the ends of generations are the only misses or waste.
-        assert counts[name].hits >= 0.8 * counts[name].staged, counts[name]
+    for name in settings:
+        if name.startswith(("depth 1", "depth 4")):
+            got = counts[name]
+            assert got.hits > 20, got
+            if got.chained:
+                # Chains run up to `depth` passes ahead of their program, so each chain
+                # dropped (a course change, the end of a generation) throws that many away.
+                assert got.staged - got.hits <= got.depth * got.dropped_chains, got
+            else:
+                # The course changes and the ends of generations are the only misses or waste.
+                assert got.hits >= 0.8 * got.staged, got
+    return counts
+
+
+@pytest.mark.model
+async def test_every_decode_gives_the_same_tokens_at_every_depth(
+    real: tuple[EngineConfig, Any, Any], probe: bytes
+) -> None:
+    counts = await same_tokens_at_every_depth(*real, probe, SETTINGS)
+    assert counts["depth 1"].chained == 0 and counts["depth 4"].chained == 0
+    # Chained passes ran (each one launched before the pass it reads from was collected).
+    assert counts["depth 1 chained"].chained > 5, counts["depth 1 chained"]
+    assert counts["depth 4 chained"].chained > 20, counts["depth 4 chained"]
+
+
+@pytest.mark.integration
+async def test_every_decode_gives_the_same_tokens_at_every_depth_on_cuda(
+    tmp_path: Path, probe: bytes
+) -> None:
+    """The same on a GPU, float32 on the torch driver (whose passes are launched and chained
+    on the device there by default), a tiny random Llama."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the GPU half of the speculation tests needs one")
+    # A seed whose greedy text is varied (most random tiny models repeat one token).
+    save_tiny_model(tmp_path, dict(model_type="qwen3", head_dim=32), seed=3)
+    settings_file = tmp_path / "tokenizer_config.json"
+    tokenizer_config = json.loads(settings_file.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    settings_file.write_text(json.dumps(tokenizer_config))
+    config = with_overrides(
+        EngineConfig(),
+        model={"path": str(tmp_path), "dtype": "float32", "device": "cuda"},
+        kv={"num_pages": 256, "page_size": 16},
+        driver={"backend": "torch"},
+    )
+    driver, tokenizer = await trio.to_thread.run_sync(build_driver, config)
+    settings = {
+        "off": {"fast_path": False},
+        "depth 0": {"speculation_depth": 0},
+        "depth 1": {"speculation_depth": 1},
+        "depth 4": {"speculation_depth": 4},
+        "depth 4 unchained": {"speculation_depth": 4, "chain_passes": "off"},
+    }
+    counts = await same_tokens_at_every_depth(config, driver, tokenizer, probe, settings, 100)
+    assert counts["depth 1"].chained > 5 and counts["depth 4"].chained > 20, counts
+    assert counts["depth 4 unchained"].chained == 0
 
 
 @pytest.mark.model

@@ -165,6 +165,10 @@ class SchedulerConfig:
     """Run inferlets' plain decodes on the driver thread (leases), without Trio round trips."""
     speculation_depth: int = field(default=1, validator=at_least(0))
     """Passes staged ahead of a program on the fast path (0: none)."""
+    chain_passes: str = field(default="auto", validator=choice("auto", "on", "off"))
+    """Launch the fast path's staged passes on the device behind the pass whose tokens they
+    read, before that pass is collected, so the host builds one pass while the device runs
+    another (auto: on a CUDA device)."""
     max_slots_per_pass: int = field(default=512, validator=at_least(1))
     """Sampling and probe slots one program's pass may have; more is refused as invalid."""
     max_probe_values: int = field(default=1 << 22, validator=at_least(1))

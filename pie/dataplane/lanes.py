@@ -72,11 +72,20 @@ class Effects:
 
 class Lanes:
     def __init__(
-        self, *, page_size: int, vocab_size: int, depth: int, post: Post, address: str = "kv"
+        self,
+        *,
+        page_size: int,
+        vocab_size: int,
+        depth: int,
+        post: Post,
+        address: str = "kv",
+        chain: bool = False,
     ) -> None:
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.speculator = Speculator(depth)
+        self.speculator.chain = self.chain = chain
+        """Whether the pass loop chains passes on the device (see `take_chained`)."""
         self.lock = threading.RLock()
         """The lock of `cond`, taken directly where nothing waits or is notified: entering it is
         one C call, where entering the condition is a Python frame more."""
@@ -174,6 +183,21 @@ class Lanes:
             self.awaited.discard(lane_pass.lane)
             taken.append(lane_pass)
         return taken
+
+    def take_chained(self, launched: Sequence[LanePass]) -> list[tuple[LanePass, int]]:
+        """The passes WAITING for the tokens of `launched` (the lane passes of the pass on the
+        device), marked running, each with the index in `launched` of the pass it follows: the
+        pass loop runs them next, reading those tokens on the device (the caller holds `cond`;
+        `completed` fills their tokens in afterwards)."""
+        chained: list[tuple[LanePass, int]] = []
+        for i, lane_pass in enumerate(launched):
+            following = _follower(lane_pass)
+            if following is not None and following.state == WAITING:
+                following.state = RUNNING
+                self.awaited.discard(following.lane)
+                chained.append((following, i))
+        self.speculator.chained += len(chained)
+        return chained
 
     def opened(self, lease: Lease, output: SlotOutput | None) -> Effects:
         """The pass that granted `lease` ended (`output` None: it failed). The caller runs
@@ -330,11 +354,12 @@ class Lanes:
                 lane.pending = None
             self._close(lane, effects)
         elif lane_pass.deliver is not None:
-            self._resolve(lane, lane_pass)
+            self._resolve(lane_pass)
             effects.handed.append(lane_pass)
             if not lane.closed and not lane.staged:
                 self.awaited.add(lane)
         else:
+            self._resolve(lane_pass)
             self._stage(lane)
             if lane.live == 0 and not lane.closed:
                 # Staged as deep as allowed and its program is behind: the next pass waits a
@@ -360,15 +385,18 @@ class Lanes:
         if not lane.closed:
             self._stage(lane)
 
-    def _resolve(self, lane: Lane, claimed: LanePass) -> None:
-        """Queues the pass waiting for the token `claimed` (which has just ended) sampled. The
-        driver thread does this, the one thread that waits on `cond`: no one to notify; and a
-        lane whose claimed pass was running is not awaited."""
-        following = lane.staged[0] if lane.staged else None
-        if following is not None and following.state == WAITING:
-            output = claimed.output
-            assert isinstance(output, TokenOutput)
-            following.token = output.token
+    def _resolve(self, ended: LanePass) -> None:
+        """Fills in the token of the pass following `ended` (which has just ended), and queues
+        it when it was WAITING (a chained one is running already). The driver thread does
+        this, the one thread that waits on `cond`: no one to notify; and a lane whose pass was
+        running is not awaited."""
+        following = _follower(ended)
+        if following is None or following.state not in (WAITING, RUNNING) or following.token >= 0:
+            return
+        output = ended.output
+        assert isinstance(output, TokenOutput)
+        following.token = output.token
+        if following.state == WAITING:
             following.state = QUEUED
             self.ready += 1
             self._ready.append(following)
@@ -406,3 +434,18 @@ class Lanes:
             lane.released = True
             released = LeaseReleased(lease=lane.lease.lease, context=lane.lease.context)
             effects.events.append((self._kv, released))
+
+
+def _follower(lane_pass: LanePass) -> LanePass | None:
+    """The staged pass after `lane_pass` on its lane: the first of the chain after the claimed
+    pass, else the next one of the chain; None when there is none or it was dropped."""
+    lane = lane_pass.lane
+    if lane_pass.dropped:
+        return None
+    if lane_pass is lane.pending:
+        return lane.staged[0] if lane.staged else None
+    staged = lane.staged
+    for i, candidate in enumerate(staged):
+        if candidate is lane_pass:
+            return staged[i + 1] if i + 1 < len(staged) else None
+    return None

@@ -6,82 +6,68 @@ queued and the next pass starts at once when the former says so; lane results re
 programs, and what the kv actor placed reaches the Trio thread as one `PassReport`, from the
 outbox thread while that next pass runs. A speaking model's speech requests (speech.py) take one
 step after each pass, or while no pass is due.
+
+With a driver that launches passes without waiting for them (`launch` and `collect`) and lanes
+that chain (`Lanes.chain`), a pass is launched and, before it is collected, the lane passes
+WAITING for its tokens are launched as the next pass, reading those tokens on the device: the
+device runs one pass while the host builds the next. A pass the former fires is launched in
+the same way, behind whatever is on the device.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-import queue
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
-from attrs import define, frozen
+from attrs import define
 
 from pie.dataplane.former import BatchFormer, BatchStatistics, FormedPass
 from pie.dataplane.lanes import Effects, LanePass, Lanes
+from pie.dataplane.passes import (
+    Outbox,
+    PassObserver,
+    PassReport,
+    PassSummary,
+    PassTimes,
+    build_batch,
+    requesters,
+    split_outputs,
+)
 from pie.dataplane.speech import SpeechDesk
 from pie.drivers.base import Driver
 from pie.drivers.batch import ForwardBatch
 from pie.events.forward import ForwardRequest
 from pie.events.sampling import SlotOutput
 
-
-@define
-class PassReport:
-    """One pass, as the Trio thread needs it: the placed requests it ran and what became of
-    each (their outputs, or the exception that failed them)."""
-
-    batch: int
-    requests: Sequence[ForwardRequest]
-    results: list[list[SlotOutput] | Exception]
-    seconds: float
-
+__all__ = ["PassLoop", "PassObserver", "PassReport", "PassSummary", "PassTimes"]
 
 Work = tuple[FormedPass, list[LanePass]]
-
-PassObserver = Callable[["PassSummary"], None]
-
-
-@frozen(kw_only=True)
-class PassSummary:
-    """One pass as its observers see it (metrics, traces, the dashboard), told after it ran."""
-
-    number: int
-    ended: float
-    """Wall-clock time (`time.time()`) at the end of the driver's forward."""
-    seconds: float
-    requests: int
-    """Placed requests (or chunks of them) it ran."""
-    lane_passes: int
-    tokens: int
-    corrs: tuple[int, ...]
-    """The correlation ids of its placed requests (the event log's `corr`)."""
-    failed: int
-    """Placed requests and lane passes it failed."""
-    requesters: tuple[str, ...] = ()
-    """The addresses whose placed requests and lane passes it ran, each once (a trace links
-    the pass to their launches)."""
+Results = list[list[SlotOutput] | Exception]
 
 
-@frozen(kw_only=True)
-class PassTimes:
-    """Seconds the pass loop has spent in each part of its passes, summed over all of them."""
+@define(eq=False)
+class _Flight:
+    """A pass on its way through the driver: launched (`launched`, the driver's handle), or
+    already run to its end (`results` and `lane_outputs`)."""
 
-    form: float = 0.0
-    """Deciding the next pass: the batch former and taking queued lane passes."""
-    assemble: float = 0.0
-    """Building the driver's batch."""
-    forward: float = 0.0
-    """The driver's forward pass."""
-    complete: float = 0.0
-    """What decides the pass after: staging, leases, the former's clock (driver thread)."""
-    settle: float = 0.0
-    """Deliveries, events, reports and counters (mostly on the outbox thread, while the next
-    pass runs)."""
+    formed: FormedPass
+    lane_passes: list[LanePass]
+    started: float
+    chained: bool = False
+    """Made of lane passes chained on the pass before it; the former did not form it."""
+    launched: Any = None
+    results: Results | None = None
+    lane_outputs: Sequence[SlotOutput | None] = ()
+    unchained: list[LanePass] = attrs.field(factory=list)
+    """Passes that were to follow this one on the device but could not be launched: they
+    fail when this one lands."""
 
 
 class PassLoop:
@@ -111,8 +97,12 @@ class PassLoop:
         self._settle_seconds = 0.0
         """Apart from `_times`, which the driver thread writes: the outbox thread writes this."""
         self._thread: threading.Thread | None = None
-        self._outbox = _Outbox()
+        self._outbox = Outbox()
         self._observers: tuple[PassObserver, ...] = ()
+        self._launch: Callable[[ForwardBatch], Any] | None = getattr(driver, "launch", None)
+        self._chaining = lanes.chain and self._launch is not None
+        self._flights: collections.deque[_Flight] = collections.deque()
+        """Passes launched and not yet collected, oldest first (two at most)."""
 
     def observe(self, observer: PassObserver) -> None:
         """Calls `observer(summary)` after every pass, on the thread that settles it. It must be
@@ -153,15 +143,19 @@ class PassLoop:
 
     def _main(self) -> None:
         taken: Work | None = None
+        flights = self._flights
         while True:
-            if taken is None:
+            if taken is None and not flights:
                 with self._cond:
                     taken = self._wait_for_work()
                 if taken is None and self._stopping:
                     return
             try:
                 if taken is not None:
-                    taken = self._run(*taken)
+                    flights.append(self._start(*taken))
+                    taken = None
+                if flights:
+                    taken = self._land(flights.popleft())
             except Exception:  # the loop must outlive a bug in one pass's bookkeeping
                 traceback.print_exc(file=sys.stderr)
                 taken = None
@@ -192,36 +186,95 @@ class PassLoop:
         self._times["form"] += time.perf_counter() - now
         return (formed, taken), None
 
-    def _run(self, formed: FormedPass, lane_passes: list[LanePass]) -> Work | None:
-        """Runs one pass and returns the next one's work when it can start at once. Only
-        what decides that next pass is done before it: the deliveries, posts, report and
-        counters are settled by the outbox thread while it runs."""
-        requests = formed.requests
+    def _start(
+        self, formed: FormedPass, lane_passes: list[LanePass], sources: Sequence[int] = ()
+    ) -> _Flight:
+        """Launches a pass (runs it to its end when the driver cannot launch, or refuses the
+        batch). `sources`: for each lane pass, the slot of the pass on the device whose token
+        it reads there (chained passes only)."""
         started = time.perf_counter()
-        results, lane_outputs = self._forward(requests, lane_passes)
+        flight = _Flight(formed, lane_passes, started, chained=bool(sources))
+        batch = build_batch(formed.requests, lane_passes, sources)
+        launching = time.perf_counter()
+        self._times["assemble"] += launching - started
+        if self._launch is not None:
+            try:
+                flight.launched = self._launch(batch)
+            except Exception:
+                if sources:
+                    raise
+            else:
+                self._times["forward"] += time.perf_counter() - launching
+                return flight
+        flight.results, flight.lane_outputs = self._forward(formed.requests, lane_passes, batch)
+        return flight
+
+    def _chain(self, flight: _Flight) -> None:
+        """Launches the lane passes waiting for `flight`'s tokens, which is on the device and
+        the last pass launched, as the next pass."""
+        with self._lock:
+            chained = self.lanes.take_chained(flight.lane_passes)
+        if not chained:
+            return
+        base = sum(len(r.slots) for r in flight.formed.requests)
+        followers = [p for p, _ in chained]
+        formed = FormedPass(batch=0, requests=(), lanes=len(followers))
+        try:
+            self._flights.append(self._start(formed, followers, [base + i for _, i in chained]))
+        except Exception:  # a chain the driver refuses is a bug: its passes fail, nothing else
+            traceback.print_exc(file=sys.stderr)
+            flight.unchained = followers
+
+    def _land(self, flight: _Flight) -> Work | None:
+        """Collects a pass (chaining its followers on the device first), completes it, and
+        returns the next pass's work when it can start at once. Only what decides that next
+        pass is done before it: the deliveries, posts, report and counters are settled by the
+        outbox thread while it runs."""
+        if self._chaining and flight.launched is not None and not self._flights:
+            self._chain(flight)
+        results, lane_outputs = self._collect(flight)
+        requests, lane_passes = flight.formed.requests, flight.lane_passes
         ended = time.perf_counter()
         wall = time.time()
-        self.last_seconds = seconds = ended - started
+        self.last_seconds = seconds = ended - flight.started
         effects: list[Effects] = []
         with self._lock:
             completing = time.perf_counter()
-            self.former.pass_finished(seconds, ended)
+            if not flight.chained:
+                self.former.pass_finished(seconds, ended)
             if lane_passes:
                 effects.append(self.lanes.completed(lane_passes, lane_outputs))
+            if flight.unchained:
+                failed = [None] * len(flight.unchained)
+                effects.append(self.lanes.completed(flight.unchained, failed))
             if requests:
                 self._requests_ended(requests, results, effects)
             self._times["complete"] += time.perf_counter() - completing
             taken, _ = self._next_work()
         settle = functools.partial(
-            self._settle, formed, lane_passes, results, lane_outputs, effects, seconds, wall
+            self._settle, flight.formed, lane_passes, results, lane_outputs, effects, seconds, wall
         )
         # When the next pass starts at once, the outbox settles this one while it runs;
         # otherwise this thread does it now, after anything the outbox still holds.
-        if taken is not None or not self._outbox.idle():
+        if taken is not None or self._flights or not self._outbox.idle():
             self._outbox.put(settle)
         else:
             settle()
         return taken
+
+    def _collect(self, flight: _Flight) -> tuple[Results, Sequence[SlotOutput | None]]:
+        if flight.results is not None:
+            return flight.results, flight.lane_outputs
+        collecting = time.perf_counter()
+        requests, lane_passes = flight.formed.requests, flight.lane_passes
+        try:
+            outputs = self.driver.collect(flight.launched)  # type: ignore[attr-defined]
+        except Exception as err:  # the device failed the pass: everything in it fails
+            traceback.print_exc(file=sys.stderr)
+            return [err] * len(requests), [None] * len(lane_passes)
+        finally:
+            self._times["forward"] += time.perf_counter() - collecting
+        return split_outputs(requests, lane_passes, outputs)
 
     def _requests_ended(
         self,
@@ -274,7 +327,7 @@ class PassLoop:
                 tokens=tokens,
                 corrs=tuple(r.corr for r in requests),
                 failed=failed,
-                requesters=_requesters(requests, lane_passes),
+                requesters=requesters(requests, lane_passes),
             )
             self._tell(summary)
         self._settle_seconds += time.perf_counter() - settling
@@ -288,16 +341,18 @@ class PassLoop:
                 self._observers = tuple(o for o in self._observers if o is not observer)
 
     def _forward(
-        self, requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
-    ) -> tuple[list[list[SlotOutput] | Exception], Sequence[SlotOutput | None]]:
+        self,
+        requests: Sequence[ForwardRequest],
+        lane_passes: Sequence[LanePass],
+        batch: ForwardBatch | None = None,
+    ) -> tuple[Results, Sequence[SlotOutput | None]]:
         """Runs the requests and lane passes in one pass: each request's outputs (or what
         failed it) and each lane pass's output (None: it failed). When the driver refuses
         the batch, its parts run one by one so that only the culprit fails (the driver
         checks a batch before writing any KV)."""
-        assembling = time.perf_counter()
-        batch = _batch(requests, lane_passes)
+        if batch is None:
+            batch = build_batch(requests, lane_passes)
         forwarding = time.perf_counter()
-        self._times["assemble"] += forwarding - assembling
         try:
             outputs = self.driver.forward(batch)
         except Exception as err:
@@ -312,76 +367,4 @@ class PassLoop:
                 lane_outputs.extend(self._forward((), (lane_pass,))[1])
             return results, lane_outputs
         self._times["forward"] += time.perf_counter() - forwarding
-        if not requests:
-            return [], outputs
-        results = []
-        cursor = 0
-        for request in requests:
-            count = len(request.slots)
-            results.append(outputs[cursor : cursor + count])
-            cursor += count
-        return results, list(outputs[cursor:]) if lane_passes else []
-
-
-class _Outbox:
-    """A thread that runs what it is handed, in order. Handing work over is one call into a
-    C queue: it sits on the pass loop's path from one pass to the next."""
-
-    def __init__(self) -> None:
-        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._handed = 0
-        """Written by the handing thread only."""
-        self._done = 0
-        """Written by the outbox thread only."""
-
-    def start(self) -> None:
-        threading.Thread(target=self._main, name="pie-pass-outbox", daemon=True).start()
-
-    def stop(self) -> None:
-        self._work.put(None)
-
-    def put(self, work: Callable[[], None]) -> None:
-        self._handed += 1
-        self._work.put(work)
-
-    def idle(self) -> bool:
-        """Whether everything handed over has run (asked by the handing thread)."""
-        return self._done == self._handed
-
-    def _main(self) -> None:
-        while True:
-            work = self._work.get()
-            if work is None:
-                return
-            try:
-                work()
-            except Exception:
-                traceback.print_exc(file=sys.stderr)
-            finally:
-                self._done += 1
-
-
-def _requesters(
-    requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]
-) -> tuple[str, ...]:
-    given = [r.requester for r in requests] + [p.lane.lease.requester for p in lane_passes]
-    return tuple(dict.fromkeys(given))
-
-
-def _batch(requests: Sequence[ForwardRequest], lane_passes: Sequence[LanePass]) -> ForwardBatch:
-    batch = ForwardBatch()
-    for request in requests:
-        batch.add(request)
-    for p in lane_passes:
-        lane = p.lane
-        lease = lane.lease
-        batch.add_decode(
-            p.token,
-            p.position,
-            lane.pages_for(p.slot),
-            p.slot + 1,
-            lease.masked_pages,
-            p.op,
-            lease.adapter,
-        )
-    return batch
+        return split_outputs(requests, lane_passes, outputs)

@@ -29,6 +29,8 @@ class SpeculationStatistics:
     """Passes run on a lease at the program's request, with nothing staged."""
     leases: int = 0
     """Lanes opened on a granted lease."""
+    chained: int = 0
+    """Staged passes launched on the device behind the pass whose token they read."""
 
     @property
     def hit_rate(self) -> float:
@@ -44,8 +46,11 @@ class Speculator:
         if depth < 0:
             raise ValueError("speculation depth must be >= 0")
         self.depth = depth
+        self.chain = False
+        """Set when passes are chained on the device: a pass is staged WAITING after any pass
+        that has not ended, claimed or not, so the chain runs ahead of its program."""
         self.staged = self.hits = self.misses = self.dropped_chains = 0
-        self.wasted_passes = self.direct = self.leases = 0
+        self.wasted_passes = self.direct = self.leases = self.chained = 0
 
     def statistics(self) -> SpeculationStatistics:
         return SpeculationStatistics(
@@ -57,6 +62,7 @@ class Speculator:
             wasted_passes=self.wasted_passes,
             direct=self.direct,
             leases=self.leases,
+            chained=self.chained,
         )
 
     def claim(self, lane: Lane, token: int, op: SlotOp) -> LanePass | None:
@@ -75,8 +81,9 @@ class Speculator:
     def stage(self, lane: Lane) -> LanePass | None:
         """The lane's next pass, appended to its chain, when the depth allows and its input is
         known (the token the pass before it sampled); None otherwise. After the claimed pass
-        while it has not ended, the next pass is staged WAITING for that pass's token: deciding
-        it then takes it off the path from that pass to the next."""
+        while it has not ended (after any such pass when `chain`), the next pass is staged
+        WAITING for that pass's token: deciding it then takes it off the path from that pass
+        to the next."""
         if lane.closed or len(lane.staged) >= self.depth:
             return None
         before = lane.staged[-1] if lane.staged else lane.pending
@@ -90,7 +97,7 @@ class Speculator:
             if not isinstance(before.output, TokenOutput):
                 return None
             token, slot, position, op = before.output.token, before.slot, before.position, before.op
-        elif before is lane.pending:
+        elif before is lane.pending or self.chain:
             token, slot, position, op, state = -1, before.slot, before.position, before.op, WAITING
         else:
             return None

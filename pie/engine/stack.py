@@ -113,6 +113,7 @@ def build_stack(
         depth=scheduler.speculation_depth,
         post=lambda events: inference[0].post(events),
         address=kv_address,
+        chain=_chains(scheduler.chain_passes, driver),
     )
     speech = _speech_desk(driver, lanes)
     former = _former(router, policy, inference_address, info.model_name, inference)
@@ -215,3 +216,11 @@ def _quotas(config: EngineConfig, num_pages: int) -> Quotas:
         user=kv.user_page_share,
         snapshots=kv.snapshot_page_share,
     )
+
+
+def _chains(setting: str, driver: Driver) -> bool:
+    """Whether the fast path chains passes on the device: `[scheduler] chain_passes`, where
+    auto means a driver that launches passes on a CUDA device."""
+    if setting == "auto":
+        return hasattr(driver, "launch") and driver.info.device.startswith("cuda")
+    return setting == "on" and hasattr(driver, "launch")

@@ -87,6 +87,7 @@ def _model(out: Families, stack: ModelStack) -> None:
     out.add("pie_speculation_hits_total", speculation.hits, model=name)
     out.add("pie_speculation_misses_total", speculation.misses, model=name)
     out.add("pie_speculation_wasted_passes_total", speculation.wasted_passes, model=name)
+    out.add("pie_speculation_chained_passes_total", speculation.chained, model=name)
     _kv(out, stack)
     _memory(out, stack)
 

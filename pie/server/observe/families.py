@@ -41,6 +41,10 @@ READ_AT_SCRAPE: dict[str, tuple[str, str]] = {
     "pie_speculation_hits_total": (COUNTER, "Requests served from a staged pass."),
     "pie_speculation_misses_total": (COUNTER, "Requests that found another pass staged."),
     "pie_speculation_wasted_passes_total": (COUNTER, "Staged passes that ran and went unused."),
+    "pie_speculation_chained_passes_total": (
+        COUNTER,
+        "Staged passes launched on the device behind the pass whose token they read.",
+    ),
     "pie_inferlets": (GAUGE, "Inferlets by state (queued, running)."),
     "pie_inferlets_launched_total": (COUNTER, "Inferlets launched (admitted or queued)."),
     "pie_inferlets_ended_total": (
