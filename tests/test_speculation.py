@@ -67,6 +67,14 @@ MODES = [
 ]
 
 
+def with_chat_template(folder: Path) -> None:
+    """Gives the tiny model saved in `folder` a chat template (its tokenizer has none)."""
+    settings_file = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(settings_file.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    settings_file.write_text(json.dumps(tokenizer_config))
+
+
 async def run_modes(
     engine: Engine, wasm: bytes, modes: list[str], stop: str = "", floor: int = 5000
 ) -> dict[str, Any]:
@@ -188,10 +196,7 @@ async def test_every_decode_gives_the_same_tokens_at_every_depth_on_cuda(
         pytest.skip("no CUDA device: the GPU half of the speculation tests needs one")
     # A seed whose greedy text is varied (most random tiny models repeat one token).
     save_tiny_model(tmp_path, dict(model_type="qwen3", head_dim=32), seed=3)
-    settings_file = tmp_path / "tokenizer_config.json"
-    tokenizer_config = json.loads(settings_file.read_text())
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    settings_file.write_text(json.dumps(tokenizer_config))
+    with_chat_template(tmp_path)
     config = with_overrides(
         EngineConfig(),
         model={"path": str(tmp_path), "dtype": "float32", "device": "cuda"},

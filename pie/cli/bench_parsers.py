@@ -159,6 +159,14 @@ def _bench_gpu_parser(suites: Commands) -> None:
     gpu.add_argument(
         "--profile", type=int, default=0, metavar="ROWS", help="print a host profile's top rows"
     )
+    gpu.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="print the kernels with the most device time in eager decode steps at the highest "
+        "concurrency",
+    )
 
 
 def _bench_step_parser(suites: Commands) -> None:

@@ -261,6 +261,28 @@ def _profile(driver: CudaDriver, work: Workload, rows: int) -> None:
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(rows)
 
 
+def _kernel_profile(driver: CudaDriver, concurrency: int, rows: int) -> None:
+    """The kernels with the most device time in 10 decode steps of `concurrency` contexts,
+    run eagerly (a graph's kernels are the same ones), to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    work = Workload(driver, concurrency, PROMPT + 16)
+    work.prefill(driver, PROMPT, driver.info.max_batch_tokens)
+    graphs, driver.graphs = driver.graphs, None
+    try:
+        for _ in range(3):
+            work.decode_step(driver)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                work.decode_step(driver)
+            torch.cuda.synchronize()
+    finally:
+        driver.graphs = graphs
+    print(f"device profile, {concurrency} contexts, 10 eager steps:", file=sys.stderr)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows)
+    print(table, file=sys.stderr)
+
+
 def prefill_figures(driver: CudaDriver, prompt: int, contexts: int) -> dict[str, float]:
     work = Workload(driver, contexts, prompt)
     Workload(driver, 1, prompt).prefill(driver, prompt, driver.info.max_batch_tokens)
@@ -307,6 +329,8 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
                 decode_figures(driver, c, args.tokens, bandwidth, chained=True) for c in concurrency
             ]
             results["prefill"] = prefill_figures(driver, args.prefill_tokens, 4)
+            if args.kernels:
+                _kernel_profile(driver, max(concurrency), args.kernels)
         del driver
         torch.cuda.empty_cache()
     return results
