@@ -99,7 +99,7 @@ class PassLoop:
         self._thread: threading.Thread | None = None
         self._outbox = Outbox()
         self._observers: tuple[PassObserver, ...] = ()
-        self._launch: Callable[[ForwardBatch], Any] | None = getattr(driver, "launch", None)
+        self._launch: Callable[..., Any] | None = getattr(driver, "launch", None)
         self._chaining = lanes.chain and self._launch is not None
         self._flights: collections.deque[_Flight] = collections.deque()
         """Passes launched and not yet collected, oldest first (two at most)."""
@@ -187,10 +187,14 @@ class PassLoop:
         return (formed, taken), None
 
     def _start(
-        self, formed: FormedPass, lane_passes: list[LanePass], sources: Sequence[int] = ()
+        self,
+        formed: FormedPass,
+        lane_passes: list[LanePass],
+        sources: Sequence[int] = (),
+        after: _Flight | None = None,
     ) -> _Flight:
         """Launches a pass (runs it to its end when the driver cannot launch, or refuses the
-        batch). `sources`: for each lane pass, the slot of the pass on the device whose token
+        batch). `sources`: for each lane pass, the slot of `after`, on the device, whose token
         it reads there (chained passes only)."""
         started = time.perf_counter()
         flight = _Flight(formed, lane_passes, started, chained=bool(sources))
@@ -199,7 +203,7 @@ class PassLoop:
         self._times["assemble"] += launching - started
         if self._launch is not None:
             try:
-                flight.launched = self._launch(batch)
+                flight.launched = self._launch(batch, None if after is None else after.launched)
             except Exception:
                 if sources:
                     raise
@@ -210,8 +214,8 @@ class PassLoop:
         return flight
 
     def _chain(self, flight: _Flight) -> None:
-        """Launches the lane passes waiting for `flight`'s tokens, which is on the device and
-        the last pass launched, as the next pass."""
+        """Launches the lane passes waiting for `flight`'s tokens (it is on the device) as the
+        next pass."""
         with self._lock:
             chained = self.lanes.take_chained(flight.lane_passes)
         if not chained:
@@ -220,7 +224,8 @@ class PassLoop:
         followers = [p for p, _ in chained]
         formed = FormedPass(batch=0, requests=(), lanes=len(followers))
         try:
-            self._flights.append(self._start(formed, followers, [base + i for _, i in chained]))
+            sources = [base + i for _, i in chained]
+            self._flights.append(self._start(formed, followers, sources, flight))
         except Exception:  # a chain the driver refuses is a bug: its passes fail, nothing else
             traceback.print_exc(file=sys.stderr)
             flight.unchained = followers

@@ -41,7 +41,7 @@ class ForwardBatch:
     media: list[tuple[int, MediaRun]] = field(factory=list)
     """(flat index of the run's first token, run): tokens read from media encoder output."""
     chained: list[tuple[int, int]] = field(factory=list)
-    """(flat index of a token, sampling slot of the pass launched just before this one): the
+    """(flat index of a token, sampling slot of an earlier pass, the one `launch` is given): the
     token that slot samples, written into this pass's inputs on the device before it runs (its
     entry in `token_ids` is a placeholder). See TorchDriver.launch."""
 

@@ -118,8 +118,6 @@ class TorchDriver:
         else:
             self.generator.manual_seed(seed)
         self._stats = DriverStatistics(passes=0, tokens=0, last_pass_seconds=0.0, total_seconds=0.0)
-        self._previous: SlotReadout | None = None
-        """The readout of the pass launched last, which the next one's chained tokens read."""
 
     def _new_cache(self, shape: KvCacheShape, num_pages: int, device: str) -> PagedKvCache:
         # On the CPU the pool stays unwritten (not resident) until passes use its pages.
@@ -153,16 +151,17 @@ class TorchDriver:
     def forward(self, batch: ForwardBatch) -> list[SlotOutput]:
         return self.collect(self.launch(batch))
 
-    def launch(self, batch: ForwardBatch) -> LaunchedPass:
+    def launch(self, batch: ForwardBatch, after: LaunchedPass | None = None) -> LaunchedPass:
         """Checks the batch and queues its pass on the device without waiting for it; the
-        pass's `chained` tokens are read from the readout of the pass launched before it.
-        `collect` waits for the outputs. A pass launched while another is uncollected runs
-        after it (one stream), so the host builds the next pass while the device runs this
-        one. Raises DriverError for a malformed batch without changing any KV page."""
+        batch's `chained` tokens are read from what the slots of `after`, a pass launched
+        before it, sampled. `collect` waits for the outputs. A pass launched while another is
+        uncollected runs after it (one stream), so the host builds the next pass while the
+        device runs the last. Raises DriverError for a malformed batch without changing any
+        KV page."""
         started = time.perf_counter()
         with torch.inference_mode():
             validate_batch(batch, self.info)
-            chained = self._chained_sources(batch)
+            chained = self._chained_sources(batch, after)
             self.cache.prepare(batch.kv_page_indices)
             prepared = self._prepare(batch, chained)
             allowed = self._allowed_tokens(batch)
@@ -173,7 +172,6 @@ class TorchDriver:
             readout = None
             if logits is not None:
                 readout = launch_slots(logits, batch.slot_ops, self.generator, allowed, bias)
-        self._previous = readout
         return LaunchedPass(readout=readout, started=started, tokens=batch.num_tokens)
 
     def collect(self, launched: LaunchedPass) -> list[SlotOutput]:
@@ -189,15 +187,16 @@ class TorchDriver:
         )
         return outputs
 
-    def _chained_sources(self, batch: ForwardBatch) -> Chained | None:
+    @staticmethod
+    def _chained_sources(batch: ForwardBatch, after: LaunchedPass | None) -> Chained | None:
         """The device tokens the batch's chained entries read, and where they go."""
         if not batch.chained:
             return None
-        previous = self._previous
+        previous = None if after is None else after.readout
         sources = [slot for _, slot in batch.chained]
         if previous is None or not all(previous.samples(slot) for slot in sources):
-            raise DriverError("a chained token names a slot the previous pass does not sample")
-        device = self.cache.device
+            raise DriverError("a chained token names a slot the pass before does not sample")
+        device = previous.flat.device  # type: ignore[union-attr]
         targets = torch.tensor([index for index, _ in batch.chained], dtype=torch.long)
         return targets.to(device, non_blocking=True), previous.tokens_of(sources)
 

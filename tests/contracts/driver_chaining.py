@@ -71,7 +71,7 @@ class ChainingContract(DriverRunner):
             if step == 0:
                 tokens, pages = contexts[2]
                 decodes.append(request(0, tokens, pages, ops))
-            following = driver.launch(_batch(decodes, chained))
+            following = driver.launch(_batch(decodes, chained), after=launched if chain else None)
             if chain:
                 passes.append(driver.collect(launched))
                 launched = following
@@ -95,23 +95,25 @@ class ChainingContract(DriverRunner):
                     logits_of(got[slot + 1]), logits_of(want[slot + 1]), self.logit_tolerance
                 )
 
-    def test_a_chained_token_must_name_a_slot_the_last_pass_sampled(
-        self, new_driver: NewDriver
-    ) -> None:
+    def test_a_chained_token_must_name_a_slot_its_pass_sampled(self, new_driver: NewDriver) -> None:
         driver = _launcher(new_driver)
         (tokens, pages), *_ = self._contexts(driver)
         decode = request(len(tokens), [0], pages, (Argmax(),))
         with pytest.raises(DriverError, match="chained"):
-            driver.launch(_batch([decode], [(0, 0)]))  # no pass before it
+            driver.launch(_batch([decode], [(0, 0)]))  # no pass to read from
         prefill = request(0, tokens, pages, (RawLogits(),))
-        driver.collect(driver.launch(_batch([prefill], ())))
+        probed = driver.launch(_batch([prefill], ()))
+        driver.collect(probed)
         for chained in ([(0, 0)], [(0, 5)], [(3, 0)]):  # a probe, no such slot, no such token
             with pytest.raises(DriverError, match="chained"):
-                driver.launch(_batch([decode], chained))
+                driver.launch(_batch([decode], chained), after=probed)
         # After the refusals, a chained decode reads the token its pass before sampled.
         greedy = request(0, tokens, pages, (Argmax(),))
-        token = token_of(driver.collect(driver.launch(_batch([greedy], ())))[0])
-        got = driver.collect(driver.launch(_batch([decode], [(0, 0)])))
+        sampled = driver.launch(_batch([greedy], ()))
+        token = token_of(driver.collect(sampled)[0])
+        # Another pass launched in between does not change which pass a chain reads.
+        driver.collect(driver.launch(_batch([prefill], ())))
+        got = driver.collect(driver.launch(_batch([decode], [(0, 0)]), after=sampled))
         fresh = _launcher(new_driver)
         fresh.collect(fresh.launch(_batch([greedy], ())))
         fed = request(len(tokens), [token], pages, (Argmax(),))

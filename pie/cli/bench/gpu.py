@@ -168,9 +168,9 @@ class Workload:
         last = time.perf_counter()
         for step in range(steps):
             kv_slots = sum(self.lengths)
-            following = (
-                driver.launch(self._decode_batch(chained=True)) if step + 1 < steps else None
-            )
+            following = None
+            if step + 1 < steps:
+                following = driver.launch(self._decode_batch(chained=True), after=launched)
             outputs = driver.collect(launched)
             now = time.perf_counter()
             timed.append((now - last, kv_slots))
