@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import tests.paged_reference as paged_reference
+from pie.drivers.batch import ForwardBatch
 from pie.drivers.cuda_driver import CudaDriver
 from pie.drivers.cuda_graphs import DecodeGraph
 from pie.drivers.loader import LoadedModel, load_model
 from pie.drivers.select import load_flashinfer
 from pie.drivers.torch_driver import TorchDriver
+from pie.events.sampling import Argmax
 from tests.contracts.driver import DriverContract
 from tests.contracts.driver_chaining import ChainingContract
 from tests.contracts.passes import (
@@ -27,6 +29,7 @@ from tests.contracts.passes import (
     prompt,
     request,
     run,
+    token_of,
 )
 from tests.tiny_models import TINY_TOLERANCE, save_tiny_model
 from tests.tiny_models import reference_logits as transformers_logits
@@ -281,6 +284,34 @@ def test_every_graph_bucket_replays_the_eager_pass(
             assert_close(
                 logits_of(got), logits_of(want), TestCudaDriverOnFlashinfer.logit_tolerance
             )
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_launching_a_chained_pass_does_not_wait_for_the_device(
+    flashinfer_kernels: Any, tmp_path: Path, graphs: bool
+) -> None:
+    """The host builds a pass while the device runs the one before: with the device held busy
+    behind a launched decode pass, launching the pass chained on it returns before the device
+    is done (a blocking copy or a stream sync anywhere in `launch` would wait for it)."""
+    save_tiny_model(tmp_path, GPU_CASES["qwen3"])
+    driver = _driver(flashinfer_kernels, tmp_path, torch.bfloat16, (1, 2, 4) if graphs else None)
+    supply = PageSupply(driver.info, seed=9)
+    contexts = [(prompt(driver.info, 6, seed=9 + i), supply.for_tokens(12)) for i in range(2)]
+    first = [request(0, tokens, pages, (Argmax(),)) for tokens, pages in contexts]
+    driver.collect(driver.launch(ForwardBatch.from_requests(first)))
+    decodes = [request(6, [1], pages, (Argmax(),)) for _, pages in contexts]
+    launched = driver.launch(ForwardBatch.from_requests(decodes))
+    torch.cuda._sleep(2_000_000_000)  # about a second of the device's time, after that pass
+    spun = torch.cuda.Event()
+    spun.record()
+    chained = ForwardBatch.from_requests(
+        [request(7, [0], pages, (Argmax(),)) for _, pages in contexts]
+    )
+    chained.chained = [(0, 0), (1, 1)]
+    following = driver.launch(chained, after=launched)
+    assert not spun.query(), "launch waited for the device"
+    tokens = [token_of(out) for out in driver.collect(launched)]
+    assert len(driver.collect(following)) == 2 and len(tokens) == 2
 
 
 def test_the_gpu_benchs_chained_steps_make_the_tokens_fed_steps_make(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pie.drivers.host_copies import to_device
 from pie.drivers.kvcache import PagedKvCache
 from pie.drivers.paged_plan import AttentionPlan, GroupKind, PagedGroup
 
@@ -77,7 +78,9 @@ class PagedKernels:
         dtype = self.cache.shape.dtype
         wrapper.plan(
             _ints(indptr),
-            _ints(indices),
+            # On the device already: a graph wrapper copies host indices into its buffer with a
+            # blocking copy, which would wait for the passes queued before this one.
+            to_device(_ints(indices), self.device),
             _ints(last_page_len),
             *self._shape(),
             q_data_type=dtype,

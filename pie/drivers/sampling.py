@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from pie.drivers.host_copies import device_tensor
 from pie.events.sampling import (
     PROBES,
     Argmax,
@@ -107,13 +108,13 @@ def _token_tensors(
     tokens: list[torch.Tensor] = []
     greedy = [i for i, op in enumerate(ops) if isinstance(op, Argmax)]
     if greedy:
-        index = torch.tensor(greedy, device=logits.device)
+        index = device_tensor(greedy, torch.long, logits.device)
         slots.extend(greedy)
         tokens.append(logits.index_select(0, index).argmax(dim=-1))
     for members in _draw_groups(ops).values():
         op = ops[members[0]]
         assert isinstance(op, DRAWS)
-        index = torch.tensor(members, device=logits.device)
+        index = device_tensor(members, torch.long, logits.device)
         gen = _generator(op.seed, logits.device, generator)
         slots.extend(members)
         tokens.append(draw(logits.index_select(0, index), op, gen))
@@ -129,7 +130,7 @@ def _probe_values(logits: torch.Tensor, op: Probe) -> torch.Tensor:
         case RawLogits():
             return logits
         case LogProbs(tokens=wanted):
-            index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+            index = device_tensor(wanted, torch.long, logits.device)
             return logits.log_softmax(dim=-1).index_select(0, index)
         case Entropy():
             return torch.special.entr(logits.softmax(dim=-1)).sum().view(1)
@@ -197,8 +198,8 @@ class SlotReadout:
         """The tokens the sampler slots `slots` drew, int64 on the device (ready in stream
         order: a kernel queued after this pass reads them once they exist)."""
         assert self.flat is not None
-        index = torch.tensor([self._where[s] for s in slots], dtype=torch.long)
-        return self.flat.index_select(0, index.to(self.flat.device, non_blocking=True)).long()
+        index = device_tensor([self._where[s] for s in slots], torch.long, self.flat.device)
+        return self.flat.index_select(0, index).long()
 
     def outputs(self) -> list[SlotOutput]:
         """One output per slot, in slot order (waits for the copy to the host)."""

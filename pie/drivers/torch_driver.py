@@ -17,6 +17,7 @@ from pie.drivers.batch import ForwardBatch
 from pie.drivers.batch_checks import validate_batch
 from pie.drivers.cpu_layers import cpu_layer_kernels
 from pie.drivers.decode_attention import reads_in_place
+from pie.drivers.host_copies import device_tensor, to_device
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache, pages_for_budget
 from pie.drivers.kvcache_int8 import Int8PagedKvCache
 from pie.drivers.lora import LoraAdapters
@@ -217,18 +218,18 @@ class TorchDriver:
         """Runs the model over the batch; float32 logits [slots, vocab], None with no slot."""
         device = self.cache.device
         media = {"media": self._media_rows(batch)} if batch.media else {}
-        token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
+        token_ids = device_tensor(batch.token_ids, torch.long, device)
         if chained is not None:
             token_ids.index_copy_(0, *chained)
         hidden = self.model(
             token_ids,
-            torch.tensor(self._rope_positions(batch), dtype=torch.long, device=device),
+            device_tensor(self._rope_positions(batch), torch.long, device),
             prepared,
             **media,
         )
         if not batch.slot_ops:
             return None
-        slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long, device=device)
+        slot_tokens = device_tensor(batch.slot_tokens, torch.long, device)
         return self.model.compute_logits(hidden.index_select(0, slot_tokens)).float()
 
     def _media_rows(self, batch: ForwardBatch) -> MediaRows:
@@ -254,7 +255,7 @@ class TorchDriver:
             return None
         allowed = torch.ones((len(batch.slot_ops), self.info.vocab_size), dtype=torch.bool)
         allowed[[i for i, _ in masked]] = rle_rows([m for _, m in masked], self.info.vocab_size)
-        return allowed.to(self.cache.device)
+        return to_device(allowed, self.cache.device)
 
     def _slot_bias(self, batch: ForwardBatch) -> torch.Tensor | None:
         """[slots, vocab] float: each slot's request logit biases minus its penalties; None
@@ -272,14 +273,14 @@ class TorchDriver:
         for i, r in enumerate(batch.slot_requests):
             if r in per_request:
                 bias[i] = per_request[r]
-        return bias.to(self.cache.device)
+        return to_device(bias, self.cache.device)
 
     def _copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
         if not copies:
             return
         device = self.cache.device
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+        src = device_tensor([s for s, _ in copies], torch.long, device)
+        dst = device_tensor([d for _, d in copies], torch.long, device)
         self.cache.copy_pages(src, dst)
 
 
