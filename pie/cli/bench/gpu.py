@@ -219,7 +219,7 @@ def decode_figures(
     roofline = (weight_bytes + mean_kv * kv_per_slot) / bandwidth
     step = statistics.median(seconds)
     if profile_rows:
-        _profile(driver, work, profile_rows)
+        _profile(driver, work, profile_rows, chained)
     return {
         "concurrency": concurrency,
         "tokens_per_s": concurrency * len(seconds) / sum(seconds),
@@ -246,18 +246,22 @@ def _replay_seconds(driver: CudaDriver, concurrency: int) -> float:
     return (time.perf_counter() - start) / 20
 
 
-def _profile(driver: CudaDriver, work: Workload, rows: int) -> None:
-    """Where the host's time goes in 20 decode steps: the functions with the most time of
-    their own, to stderr."""
+def _profile(driver: CudaDriver, work: Workload, rows: int, chained: bool) -> None:
+    """Where the host's time goes in 20 decode steps (chained or not): the functions with the
+    most time of their own, to stderr."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(20):
-        work.decode_step(driver)
+    if chained:
+        work.chained_steps(driver, 20)
+    else:
+        for _ in range(20):
+            work.decode_step(driver)
     profiler.disable()
-    print(f"host profile, {len(work.pages)} contexts, 20 steps:", file=sys.stderr)
+    mode = "chained" if chained else "one at a time"
+    print(f"host profile, {len(work.pages)} contexts, 20 steps {mode}:", file=sys.stderr)
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(rows)
 
 
@@ -326,7 +330,8 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         ]
         if graphs:
             results["decode_chained"] = [
-                decode_figures(driver, c, args.tokens, bandwidth, chained=True) for c in concurrency
+                decode_figures(driver, c, args.tokens, bandwidth, args.profile, chained=True)
+                for c in concurrency
             ]
             results["prefill"] = prefill_figures(driver, args.prefill_tokens, 4)
             if args.kernels:
