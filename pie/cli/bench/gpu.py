@@ -153,10 +153,13 @@ class Workload:
         """Every context's next step; chained: its token is what the pass before sampled in
         the context's slot (slot c), read on the device."""
         batch = ForwardBatch()
-        for c in range(len(self.pages)):
-            self._add(batch, c, [self.last[c]])
-        if chained:
-            batch.chained = [(c, c) for c in range(len(self.pages))]
+        greedy = Argmax()
+        for c, pages in enumerate(self.pages):
+            position = self.lengths[c]
+            self.lengths[c] += 1
+            # As the engine's fast path adds a lane pass (pie/dataplane/passes.py).
+            source = c if chained else None
+            batch.add_decode(self.last[c], position, pages, position + 1, (), greedy, None, source)
         return batch
 
     def chained_steps(self, driver: CudaDriver, steps: int) -> list[tuple[float, int]]:
