@@ -32,7 +32,7 @@ from pie.engine.heap import release_heap
 Counts = collections.Counter[str]
 
 LOGGING = ("pie/eventlog/", "pie/events/codec.py", "cattrs/", "json/", "pie/sandbox/recording.py")
-LOGGING += ("pie/sandbox/callvalues.py", "pie/actors/inferlet/recording.py")
+LOGGING += ("pie/sandbox/callvalues.py", "pie/actors/inferlet/recording.py", "<packer of ")
 """Where the log's own work runs: the calls made there are what a setting adds for certain,
 while the whole process's count also moves with how often its threads happened to poll."""
 
@@ -91,6 +91,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--top", type=int, default=10, help="functions listed per setting")
+    parser.add_argument(
+        "--own", type=int, default=0, help="also list the log's own functions with most calls"
+    )
     args = parser.parse_args()
     tokens = args.tokens * args.concurrency
     with tempfile.TemporaryDirectory(prefix="pie-count-calls-") as folder:
@@ -108,6 +111,12 @@ def main() -> int:
             added.subtract(base)
             for name, extra in added.most_common(args.top):
                 print(f"          {extra / tokens:+6.2f}  {name}")
+        if args.own:
+            mine = collections.Counter(
+                {name: n for name, n in calls.items() if any(p in name for p in LOGGING)}
+            )
+            for name, n in mine.most_common(args.own):
+                print(f"           {n / tokens:6.2f}  {name}  (the log's own)")
     return 0
 
 

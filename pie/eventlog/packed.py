@@ -4,13 +4,14 @@ long as the ring holds them (about 50 for one pass of 16 lanes)."""
 
 from __future__ import annotations
 
-import operator
 import types
 import typing
 from collections.abc import Callable
 from typing import Any
 
 import attrs
+
+from pie.events.sampling import TokenOutput
 
 Packer = Callable[[Any], Any]
 
@@ -64,18 +65,9 @@ def _packer_of(cls: type) -> Packer:
     index = len(_CLASSES)
     _CLASSES.append(cls)
     names = tuple(f.name for f in fields)
-    every = _getter(names)
-    codecs = [(i, _field_codec(f.type)) for i, f in enumerate(fields)]
-    hooks = [(i, codec[0]) for i, codec in codecs if codec is not None]
-    unhooks = [(i + 1, codec[1]) for i, codec in codecs if codec is not None]
-
-    def packer(value: Any) -> tuple[Any, ...]:
-        if not hooks:
-            return (index, *every(value))
-        out = list(every(value))
-        for i, hook in hooks:
-            out[i] = hook(out[i])
-        return (index, *out)
+    codecs = [_field_codec(f.type) for f in fields]
+    unhooks = [(i + 1, codec[1]) for i, codec in enumerate(codecs) if codec is not None]
+    packer = _compiled_packer(cls, index, names, [c and c[0] for c in codecs])
 
     def unpacker(packed: tuple[Any, ...]) -> Any:
         values = list(packed)
@@ -88,14 +80,37 @@ def _packer_of(cls: type) -> Packer:
     return packer
 
 
-def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
-    """The fields named, as a tuple, in one call where there are several."""
-    if len(names) > 1:
-        return operator.attrgetter(*names)
-    if names:
-        (name,) = names
-        return lambda value: (getattr(value, name),)
-    return lambda value: ()
+def _compiled_packer(
+    cls: type, index: int, names: tuple[str, ...], hooks: list[Packer | None]
+) -> Packer:
+    """One function that reads every field and packs it in place: a call per instance (and
+    one per nested instance), where a generic loop over the fields costs several. A tuple of
+    instances of several classes is packed item by item through `_pack_instance`."""
+    scope: dict[str, Any] = {"_pack_instance": _pack_instance, "TokenOutput": TokenOutput}
+    parts = []
+    for i, (name, hook) in enumerate(zip(names, hooks, strict=True)):
+        if hook is None:
+            parts.append(f"value.{name}")
+        elif hook is _pack_union_items:
+            # A lane pass's outputs are one sampled token: packed in place, with no call.
+            items = f"value.{name}"
+            token = f"(({_index_of(TokenOutput)}, {items}[0].token),)"
+            sampled = f"len({items}) == 1 and type({items}[0]) is TokenOutput"
+            parts.append(f"({token} if {sampled} else tuple(map(_pack_instance, {items})))")
+        else:
+            scope[f"hook{i}"] = hook
+            parts.append(f"hook{i}(value.{name})")
+    source = f"def pack_{cls.__name__}(value):\n    return ({index}, {', '.join(parts)})\n"
+    exec(compile(source, f"<packer of {cls.__qualname__}>", "exec"), scope)
+    packer: Packer = scope[f"pack_{cls.__name__}"]
+    return packer
+
+
+def _index_of(cls: type) -> int:
+    """The index `cls`'s packed instances start with (its packer made if need be)."""
+    if cls not in _PACKERS:
+        _packer_of(cls)
+    return _CLASSES.index(cls)
 
 
 def _members(tp: Any) -> tuple[Any, ...]:
@@ -128,12 +143,18 @@ def _field_codec(tp: Any) -> tuple[Packer, Packer] | None:
     return None
 
 
+def _pack_union_items(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A tuple of instances of several classes; compiled packers inline it (`map` over
+    `_pack_instance`)."""
+    return tuple(map(_pack_instance, values))
+
+
 def _pack_each(item: Any) -> Packer:
     """Packs a tuple of `item`s with one call per item, for the lanes of every pass: through
     map rather than a generator, and, for items of one class, that class's packer (looked up
     at the first tuple, since a class may be packed as a field of itself)."""
     if len(_members(item)) > 1:
-        return lambda values: tuple(map(_pack_instance, values))
+        return _pack_union_items
     found: list[Packer] = []
 
     def pack_all(values: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import operator
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,7 +24,7 @@ from cattrs.v import format_exception
 from pie.events import ALL_EVENTS
 from pie.events.batching import FormerStep
 from pie.events.recording import HostCallsRecorded
-from pie.events.sampling import SlotOp, SlotOutput
+from pie.events.sampling import SlotOp, SlotOutput, TokenOutput
 from pie.events.speculation import LanePassApplied
 
 TAG = "type"
@@ -112,26 +111,15 @@ def _positional_items(cls: type, conv: cattrs.Converter) -> None:
     fields = attrs.fields(cls)
     names = tuple(f.name for f in fields)
     plain = {int, bool, str, float}
-    every = operator.attrgetter(*names)
     by_field: Callable[[Any, Any], Any] = make_dict_structure_fn(
         cls, conv, _cattrs_forbid_extra_keys=True
     )
-    hooks: list[tuple[int, Callable[[Any], Any]]] = []
-
-    def item(value: Any) -> list[Any]:
-        out = list(every(value))
-        for i, hook in hooks:
-            out[i] = hook(out[i])
-        return out
+    compiled: list[Callable[[tuple[Any, ...]], list[list[Any]]]] = []
 
     def unstructure(values: tuple[Any, ...]) -> list[list[Any]]:
-        if not hooks:  # the fields' hooks, looked up once every hook is registered
-            hooks.extend(
-                (i, conv.get_unstructure_hook(f.type))
-                for i, f in enumerate(fields)
-                if f.type not in plain
-            )
-        return [item(value) for value in values]
+        if not compiled:  # built once every field's hook is registered
+            compiled.append(_items_encoder(cls, conv, plain))
+        return compiled[0](values)
 
     def structure(value: Any, _: Any) -> Any:
         if isinstance(value, dict):
@@ -147,7 +135,51 @@ def _positional_items(cls: type, conv: cattrs.Converter) -> None:
     conv.register_structure_hook(cls, structure)
 
 
+def _items_encoder(
+    cls: type, conv: cattrs.Converter, plain: set[type]
+) -> Callable[[tuple[Any, ...]], list[list[Any]]]:
+    """One comprehension that writes every item's fields in order: no call per item for plain
+    fields, or for outputs that are one sampled token (a lane pass's), built in place."""
+    scope: dict[str, Any] = {"TokenOutput": TokenOutput}
+    parts = []
+    for i, f in enumerate(attrs.fields(cls)):
+        value = f"v.{f.name}"
+        if f.type in plain:
+            parts.append(value)
+            continue
+        scope[f"hook{i}"] = conv.get_unstructure_hook(f.type)
+        if f.type == tuple[SlotOutput, ...]:
+            one = f'[{{"token": {value}[0].token, "{TAG}": "TokenOutput"}}]'
+            sampled = f"len({value}) == 1 and type({value}[0]) is TokenOutput"
+            parts.append(f"({one} if {sampled} else hook{i}({value}))")
+        else:
+            parts.append(f"hook{i}({value})")
+    source = f"def encode_items(values):\n    return [[{', '.join(parts)}] for v in values]\n"
+    exec(compile(source, f"<items of {cls.__qualname__}>", "exec"), scope)
+    encoder: Callable[[tuple[Any, ...]], list[list[Any]]] = scope["encode_items"]
+    return encoder
+
+
 _positional_items(LanePassApplied, converter)
+
+
+def _sampled_tokens(conv: cattrs.Converter) -> None:
+    """Encodes a `tuple[SlotOutput, ...]` with each sampled token's object built in place (the
+    tagged union's own encoder for the other outputs): every lane pass of every pass carries
+    one, and the generic path costs five calls an item. The objects are the same."""
+    member = conv.get_unstructure_hook(SlotOutput)
+
+    def unstructure(values: tuple[Any, ...]) -> list[Any]:
+        return [
+            {"token": v.token, TAG: "TokenOutput"} if type(v) is TokenOutput else member(v)
+            for v in values
+        ]
+
+    outputs = tuple[SlotOutput, ...]
+    conv.register_unstructure_hook_func(lambda t: t == outputs, unstructure)
+
+
+_sampled_tokens(converter)
 
 
 def _calls_as_text(conv: cattrs.Converter) -> None:
