@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -149,12 +150,15 @@ def dumps_call(fn: str, args: tuple[Any, ...], result: Any) -> str:
     return _TAGGING_JSON.encode([fn, list(args), result])
 
 
+_CALL_NAME = operator.itemgetter(0)
+
+
 def dumps_calls(calls: list[tuple[str, tuple[Any, ...], Any]]) -> str:
     """Several recorded calls as the JSON array of what `dumps_call` writes for each, in one
     pass of the C encoder where none carries a tuple: one pass over many calls runs on warm
     caches, where a call encoded on its own, between stretches of guest code, costs a few
     times more."""
-    if any(fn in TUPLE_CALLS for fn, _, _ in calls):
+    if not TUPLE_CALLS.isdisjoint(map(_CALL_NAME, calls)):
         return "[" + ",".join(dumps_call(fn, args, result) for fn, args, result in calls) + "]"
     return _TAGGING_JSON.encode([[fn, list(args), result] for fn, args, result in calls])
 

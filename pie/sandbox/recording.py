@@ -220,7 +220,11 @@ def _recorded(interface: str, name: str, fn: Callable[..., Any]) -> Callable[...
         except BaseException as exc:
             recorder.add_raise(call, args, exc)
             raise
-        recorder.add(call, args, result)
+        # Recorder.add, inlined: this runs on every host call of every recorded inferlet.
+        raw = recorder._raw
+        raw.append((call, args, result))
+        if len(raw) >= RAW_CALLS:
+            recorder.encode_pending()
         return result
 
     return host
