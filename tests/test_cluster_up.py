@@ -139,7 +139,15 @@ def up(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Ite
     command += ["--router-port", "0", "--state-dir", str(folder / "state")]
     command += ["--config", str(config), "--model", str(default_model_dir), "--json"]
     with stderr.open("w") as errors:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+        # Ctrl-C reaches it as from a terminal even when the tests run in a background job,
+        # whose shell starts every child with SIGINT ignored.
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         assert process.stdout is not None
         line = process.stdout.readline()  # the URLs, once every part is up
