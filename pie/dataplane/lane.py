@@ -67,3 +67,18 @@ class Lane:
 
     def page_of(self, slot: int) -> int:
         return self.lease.pages[slot // self.page_size]
+
+
+def follower(lane_pass: LanePass) -> LanePass | None:
+    """The staged pass after `lane_pass` on its lane: the first of the chain after the claimed
+    pass, else the next one of the chain; None when there is none or it was dropped."""
+    lane = lane_pass.lane
+    if lane_pass.dropped:
+        return None
+    if lane_pass is lane.pending:
+        return lane.staged[0] if lane.staged else None
+    staged = lane.staged
+    for i, candidate in enumerate(staged):
+        if candidate is lane_pass:
+            return staged[i + 1] if i + 1 < len(staged) else None
+    return None

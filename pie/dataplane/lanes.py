@@ -38,6 +38,7 @@ from pie.dataplane.lane import (
     Deliver,
     Lane,
     LanePass,
+    follower,
 )
 from pie.dataplane.speculator import SpeculationStatistics, Speculator
 from pie.events.batching import ForwardCompleted
@@ -191,7 +192,7 @@ class Lanes:
         `completed` fills their tokens in afterwards)."""
         chained: list[tuple[LanePass, int]] = []
         for i, lane_pass in enumerate(launched):
-            following = _follower(lane_pass)
+            following = follower(lane_pass)
             if following is not None and following.state == WAITING:
                 following.state = RUNNING
                 self.awaited.discard(following.lane)
@@ -390,7 +391,7 @@ class Lanes:
         it when it was WAITING (a chained one is running already). The driver thread does
         this, the one thread that waits on `cond`: no one to notify; and a lane whose pass was
         running is not awaited."""
-        following = _follower(ended)
+        following = follower(ended)
         if following is None or following.state not in (WAITING, RUNNING) or following.token >= 0:
             return
         output = ended.output
@@ -434,18 +435,3 @@ class Lanes:
             lane.released = True
             released = LeaseReleased(lease=lane.lease.lease, context=lane.lease.context)
             effects.events.append((self._kv, released))
-
-
-def _follower(lane_pass: LanePass) -> LanePass | None:
-    """The staged pass after `lane_pass` on its lane: the first of the chain after the claimed
-    pass, else the next one of the chain; None when there is none or it was dropped."""
-    lane = lane_pass.lane
-    if lane_pass.dropped:
-        return None
-    if lane_pass is lane.pending:
-        return lane.staged[0] if lane.staged else None
-    staged = lane.staged
-    for i, candidate in enumerate(staged):
-        if candidate is lane_pass:
-            return staged[i + 1] if i + 1 < len(staged) else None
-    return None
