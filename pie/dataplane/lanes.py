@@ -360,7 +360,8 @@ class Lanes:
             if not lane.closed and not lane.staged:
                 self.awaited.add(lane)
         else:
-            self._resolve(lane_pass)
+            if self.chain:  # only a chain stages a pass after an unclaimed one that runs
+                self._resolve(lane_pass)
             self._stage(lane)
             if lane.live == 0 and not lane.closed:
                 # Staged as deep as allowed and its program is behind: the next pass waits a

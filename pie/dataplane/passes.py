@@ -1,6 +1,6 @@
 """What the pass loop (loop.py) hands out about its passes: the report of the requests a pass
 ran, the summary its observers get, the time spent in each part, and the outbox thread that
-settles a pass while the next one runs."""
+settles a pass while the next one runs; and how it builds a pass's batch and cuts its outputs."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import torch
 from pie.drivers.batch import ForwardBatch
 from pie.drivers.cuda_graphs import DecodeGraph, DecodeGraphs, graph_buckets
 from pie.drivers.fused_layers import layer_kernels_for
+from pie.drivers.host_copies import device_tensor
 from pie.drivers.kvcache import KvCacheShape, PagedKvCache
 from pie.drivers.lora import LoraAdapters
 from pie.drivers.media_store import MediaStore
@@ -99,8 +100,9 @@ class CudaDriver(TorchDriver):
         return PagedKvCache(shape, num_pages + 1, device)
 
     def _prepare(self, batch: ForwardBatch, chained: Chained | None) -> Any:
-        # Planning writes each wrapper's pinned host buffers, which the device copies from in
-        # stream order: the last pass's copies must be done before this plan overwrites them.
+        # Planning writes each wrapper's pinned host buffers (and a graph's static host inputs),
+        # which the device copies from in stream order: the last pass's copies must be done
+        # before this plan overwrites them; every earlier pass's are done before the last's.
         if self._planned is not None:
             self._planned.synchronize()
         plan = plan_attention(batch, self.info.page_size)
@@ -133,5 +135,4 @@ class CudaDriver(TorchDriver):
         logits = prepared.replay()
         if not batch.slot_ops:
             return None
-        slot_tokens = torch.tensor(batch.slot_tokens, dtype=torch.long)
-        return logits.index_select(0, slot_tokens.to(logits.device, non_blocking=True))
+        return logits.index_select(0, device_tensor(batch.slot_tokens, torch.long, logits.device))

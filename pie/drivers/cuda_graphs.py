@@ -61,9 +61,6 @@ class DecodeGraph:
         self.wrapper = kernels.decode_wrapper(self.buffers)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-        """Marks the copies out of `host` and the plan's host buffers, which must end before
-        they are written again: the device may still be running an earlier pass."""
 
     def fits(self, group: PagedGroup) -> bool:
         return group.num_requests <= self.size and len(group.kv_indices) < self.max_indices
@@ -77,9 +74,9 @@ class DecodeGraph:
         chained: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Fills the static buffers for `group` (its requests in batch order) and plans it;
-        `chained` (token indices, device tokens) overwrites those tokens on the device."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        `chained` (token indices, device tokens) overwrites those tokens on the device. The
+        caller waits first for the copies of the last pass prepared (CudaDriver._prepare): the
+        device may still be reading `host` and the plan's host buffers for an earlier pass."""
         n = len(tokens)
         pad = self.size - n
         scratch_row = self.scratch_page * 2 * self.kernels.cache.page_size
@@ -97,9 +94,6 @@ class DecodeGraph:
         if chained is not None:
             self.inputs[0].index_copy_(0, *chained)
         self.kernels.plan_decode(self.wrapper, *padded_decode(group, self.size, self.scratch_page))
-        if self.inputs.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
 
     def _forward(self) -> torch.Tensor:
         planned = [PlannedGroup(self.wrapper)]

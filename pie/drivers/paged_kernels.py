@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pie.drivers.host_copies import to_device
+from pie.drivers.host_copies import device_tensor, to_device
 from pie.drivers.kvcache import PagedKvCache
 from pie.drivers.paged_plan import AttentionPlan, GroupKind, PagedGroup
 
@@ -95,7 +95,7 @@ class PagedKernels:
             return wrapper
         mask = None
         if group.kind is GroupKind.CUSTOM:
-            mask = group.flat_mask().to(self.device, non_blocking=True)
+            mask = to_device(group.flat_mask(), self.device)
         dtype = self.cache.shape.dtype
         wrapper.plan(
             _ints(group.qo_indptr),
@@ -112,7 +112,7 @@ class PagedKernels:
 
     def attention(self, plan: AttentionPlan, num_tokens: int) -> PagedKernelAttention:
         """The batch's attention: every group planned, its write rows on the device."""
-        rows = torch.tensor(plan.write_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        rows = device_tensor(plan.write_rows, torch.long, self.device)
         planned = [PlannedGroup.plan(self, group, num_tokens) for group in plan.groups]
         return PagedKernelAttention(self.cache, rows, planned)
 
@@ -131,7 +131,7 @@ class PlannedGroup:
     @classmethod
     def plan(cls, kernels: PagedKernels, group: PagedGroup, num_tokens: int) -> PlannedGroup:
         def on_device(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(kernels.device, non_blocking=True)
+            return device_tensor(values, torch.long, kernels.device)
 
         return cls(
             kernels.plan_group(group),

@@ -198,8 +198,8 @@ class TorchDriver:
         if previous is None or not all(previous.samples(slot) for slot in sources):
             raise DriverError("a chained token names a slot the pass before does not sample")
         device = previous.flat.device  # type: ignore[union-attr]
-        targets = torch.tensor([index for index, _ in batch.chained], dtype=torch.long)
-        return targets.to(device, non_blocking=True), previous.tokens_of(sources)
+        targets = device_tensor([index for index, _ in batch.chained], torch.long, device)
+        return targets, previous.tokens_of(sources)
 
     def _prepare(self, batch: ForwardBatch, chained: Chained | None) -> Any:
         """What the pass needs built before any KV page changes: its attention."""
