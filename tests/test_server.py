@@ -142,6 +142,39 @@ async def test_a_launch_streams_events_and_a_reattach_replays_what_was_missed(
         )
 
 
+async def test_messages_sent_to_a_queued_inferlet_reach_it_when_it_starts(
+    tmp_path: Path, relay: bytes
+) -> None:
+    components = str(PYTEST_CACHE / "pie-components")
+    config = with_overrides(
+        EngineConfig(), sandbox={"cache_dir": components, "max_running_per_user": 1}
+    )
+    async with serving(tmp_path, config=config) as server:
+        server.engine.programs.add(relay, "relay")
+        with trio.fail_after(60):
+            async with await connect(server.url) as ws:
+                raw = Raw(ws)
+                await raw.next()
+                first = await raw.call(msg.Launch, program="relay", input='{"mode":"relay"}')
+                queued = await raw.call(msg.Launch, program="relay", input='{"mode":"relay"}')
+                for text in ["while queued", "bye"]:
+                    sent = await raw.call(msg.SendMessage, instance=queued.instance, text=text)
+                    assert isinstance(sent, msg.Done), sent
+                await raw.call(msg.SendMessage, instance=first.instance, text="bye")
+                ends: dict[str, Any] = {}
+                replies: dict[str, list[str]] = {first.instance: [], queued.instance: []}
+                while len(ends) < 2:
+                    message = await raw.next()
+                    if not isinstance(message, msg.InferletEvent):
+                        continue
+                    if isinstance(message.event, ev.SessionMessage):
+                        replies[message.instance].append(message.event.text)
+                    elif isinstance(message.event, ev.InferletEnd):
+                        ends[message.instance] = message.event
+        assert replies == {first.instance: [], queued.instance: ["1:while queued"]}
+        assert [ends[i].result for i in (first.instance, queued.instance)] == ["0", "1"]
+
+
 async def test_an_ended_inferlet_is_retained_for_a_late_reattach_with_after(
     tmp_path: Path, relay: bytes
 ) -> None:

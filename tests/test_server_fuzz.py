@@ -626,7 +626,7 @@ class Client:
             sent = await self.call(msg.SendMessage, instance=launched.instance, text=text)
             assert sent == msg.Done(corr=self.corr)
         seen = await self.until_end(launched.instance)
-        assert [m.seq for m in seen] == list(range(1, len(texts) + 3))
+        assert [m.seq for m in seen] == list(range(1, len(texts) + 3)), seen
         answers = [m.event.text for m in seen[1:-1]]
         assert answers == [f"{k}:{text}" for k, text in enumerate(texts, 1)]
         end = seen[-1].event

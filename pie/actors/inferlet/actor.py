@@ -140,21 +140,22 @@ class InferletActor(Actor):
             task_status.started()
 
     async def handle(self, event: Any) -> None:
-        self._emit(self.core.handle(event))
-        self._apply()
+        self._emit_and_apply(self.core.handle(event))
 
     def _emit(self, outputs: list[tuple[str, Any]]) -> None:
         if self.tracing is not None:
             _trace_launches(self.tracing, self.core, outputs)
         self.emit(outputs)
 
-    def _apply(self) -> None:
+    def _emit_and_apply(self, outputs: list[tuple[str, Any]]) -> None:
+        # An admitted instance's address takes deliveries before anything is sent to it: the
+        # messages it queued, and those sent before its task runs, would otherwise be dropped.
         assert self._nursery is not None
-        for instance in self.core.to_start:
-            kill = KillSwitch()
-            self._kills[instance.id] = kill
-            self._nursery.start_soon(self._run_instance, instance, kill)
+        opened = [self._open(instance) for instance in self.core.to_start]
         self.core.to_start.clear()
+        self._emit(outputs)
+        for instance, state in opened:
+            self._nursery.start_soon(self._run_instance, instance, state)
         for instance_id, reason in self.core.to_kill:
             kill_switch = self._kills.get(instance_id)
             if kill_switch is not None:
@@ -163,10 +164,12 @@ class InferletActor(Actor):
 
     def stop_all(self, reason: str) -> None:
         """Ends every queued and running instance (engine shutdown)."""
-        self._emit(self.core.stop_all(reason))
-        self._apply()
+        self._emit_and_apply(self.core.stop_all(reason))
 
-    async def _run_instance(self, instance: Instance, kill: KillSwitch) -> None:
+    def _open(self, instance: Instance) -> tuple[Instance, InstanceState]:
+        """The state of an admitted instance, its address registered to take deliveries."""
+        kill = KillSwitch()
+        self._kills[instance.id] = kill
         bridge = TrioBridge(trio.lowlevel.current_trio_token(), self.router, instance.address)
         state = InstanceState(
             instance=instance.id,
@@ -191,6 +194,10 @@ class InferletActor(Actor):
         for lanes in self.lanes:
             lanes.open_requester(instance.address)
         self.router.register_handler(instance.address, PROGRAM_INBOX, state.deliver)
+        return instance, state
+
+    async def _run_instance(self, instance: Instance, state: InstanceState) -> None:
+        kill = state.kill
         finished = trio.Event()
         outcome: list[RunOutcome] = []
 
