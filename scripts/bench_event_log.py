@@ -1,6 +1,7 @@
 """What the event log costs: text-completion's generate loop on a driver whose pass takes a fixed
-time, with the log off, in memory only, writing its file, and writing its file inline on the Trio
-thread (each envelope encoded and written at delivery: the writer as it was, for comparison).
+time, with the log off, in memory only, writing its file (encoded in a child process, `file`, or
+on the writer thread, `thread`), and writing its file inline on the Trio thread (each envelope
+encoded and written at delivery: the writer as it first was, for comparison).
 
 One engine runs every mode, swapping its log between runs, in a different order each round, so
 that a slow drift in what else the machine runs touches every mode alike. For throughput and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -36,7 +38,7 @@ from pie.eventlog import Envelope, EventLog
 from pie.eventlog.records import correlation_of
 from pie.events import codec
 
-MODES = ("off", "ring", "file", "inline")
+MODES = ("off", "ring", "file", "thread", "inline")
 
 
 class InlineEventLog(EventLog):
@@ -76,6 +78,8 @@ def _log(mode: str, path: Path) -> EventLog | None:
         return None
     if mode == "ring":
         return EventLog()
+    if mode == "thread":
+        return EventLog(path=path, encoder="thread")
     return (InlineEventLog if mode == "inline" else EventLog)(path=path)
 
 
@@ -217,29 +221,38 @@ def _lane_events(count: int) -> list[Any]:
     ]
 
 
+def _children_cpu() -> float:
+    """CPU seconds of the child processes ended and waited for so far (the encoder's)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def micro(args: argparse.Namespace) -> None:
-    """The appender's own cost per record (its thread's CPU time), and everything the log costs
-    per record until the file is closed (the process's CPU time, the writer's included)."""
+    """The appender's own cost per record (its thread's CPU time), everything the log costs the
+    engine's process per record until the file is closed (the process's CPU time, the writer's
+    included), and what the encoder process took."""
     count = 200_000
     events = _lane_events(count)
     print(f"{count} appends, {args.rounds} rounds: median [min-max] us/record")
-    print(f"{'mode':>8} {'appender':>22} {'whole log':>22}")
-    for mode in ("ring", "file", "inline"):
-        appender, whole = [], []
+    print(f"{'mode':>8} {'appender':>22} {'engine process':>22} {'encoder process':>22}")
+    for mode in ("ring", "file", "thread", "inline"):
+        appender, whole, child = [], [], []
         for _ in range(args.rounds):
             with tempfile.TemporaryDirectory() as scratch:
                 log = _log(mode, Path(scratch) / "events.jsonl")
                 assert log is not None
-                thread, cpu = time.thread_time(), time.process_time()
+                thread, cpu, children = time.thread_time(), time.process_time(), _children_cpu()
                 for event in events:
                     log.append("inference", "kv", event)
                 appender.append((time.thread_time() - thread) / count * 1e6)
                 log.close()
                 whole.append((time.process_time() - cpu) / count * 1e6)
+                child.append((_children_cpu() - children) / count * 1e6)
         cells = [
-            f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]" for v in (appender, whole)
+            f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+            for v in (appender, whole, child)
         ]
-        print(f"{mode:>8} {cells[0]:>22} {cells[1]:>22}")
+        print(f"{mode:>8} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}")
 
 
 def critical(args: argparse.Namespace) -> None:

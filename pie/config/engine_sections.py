@@ -185,6 +185,10 @@ class EventLogConfig:
     max_unwritten: int = field(default=100_000, validator=at_least(1))
     """Records the file writer may fall behind by; past that, records are left out of the file
     (which marks the gap) until it catches up by half."""
+    encoder: str = field(default="process", validator=choice("process", "thread"))
+    """Where the file's records are encoded: `process`, a child process that takes each event
+    as the ring packs it (the engine's process only pickles it), or `thread`, the writer thread
+    in the engine's process."""
     ring_payload_chars: int = field(default=256, validator=at_least(0))
     """Of each text or bytes field of an event, what the in-memory ring keeps (0: all); the
     file keeps every event whole."""

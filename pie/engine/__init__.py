@@ -98,6 +98,7 @@ class Engine:
                 path=log_config.path or None,
                 max_unwritten=log_config.max_unwritten,
                 ring_payload=log_config.ring_payload_chars,
+                encoder=log_config.encoder,
             )
             if log_config.enabled
             else None

@@ -14,6 +14,7 @@ from typing import IO, Any
 from attrs import frozen
 
 from pie.eventlog.clip import clip
+from pie.eventlog.encoder import ProcessSink, ThreadSink
 from pie.eventlog.packed import pack, packed_kind, unpack
 from pie.eventlog.records import Envelope, Gap, Row
 from pie.eventlog.writer import FileWriter, WriterStatistics
@@ -21,6 +22,9 @@ from pie.eventlog.writer import FileWriter, WriterStatistics
 __all__ = ["Envelope", "EventLog", "EventLogStatistics", "LogGap", "read_entries", "read_log"]
 
 log = logging.getLogger(__name__)
+
+ENCODERS = ("process", "thread")
+"""Where a log file's records are encoded ([event_log] encoder)."""
 
 
 class LogGap(ValueError):
@@ -43,11 +47,14 @@ class EventLog:
     garbage collector stops walking; reading it unpacks them.
 
     `append` is called from one thread (the Trio thread) and only numbers the envelope, keeps
-    it and hands it to the file writer; the writer thread encodes and writes in seq order,
-    leaving out (and marking as a gap) what arrives while it is `max_unwritten` records behind.
+    it and hands it to the file writer; the writer thread has it encoded and written in seq
+    order, leaving out (and marking as a gap) what arrives while it is `max_unwritten` records
+    behind. With `path`, a child process encodes and writes (`encoder="process"`, taking each
+    event as the ring packs it), or the writer thread itself (`"thread"`).
     The ring keeps each text or bytes field of an event only up to `ring_payload` characters
     (0: in full); the file gets the whole event.
-    `file`, instead of `path`, is an open text file to write (closed with the log).
+    `file`, instead of `path`, is an open text file to write (closed with the log), by the
+    writer thread.
     """
 
     def __init__(
@@ -58,17 +65,24 @@ class EventLog:
         max_unwritten: int = 100_000,
         file: IO[str] | None = None,
         ring_payload: int = 256,
+        encoder: str = "process",
     ) -> None:
+        if encoder not in ENCODERS:
+            raise ValueError(f"encoder must be one of {', '.join(ENCODERS)}, got {encoder!r}")
         self.ring_payload = ring_payload
         self._ring: collections.deque[Row] = collections.deque(maxlen=ring_size or None)
         self._seq = 0
         self.path = Path(path) if path else None
-        # One file per engine run: sequence numbers start at 1 and replay reads one history.
-        if file is None and path:
-            file = open(path, "w", encoding="utf-8")
+        sink: ThreadSink | ProcessSink | None = None
+        if file is not None:
+            sink = ThreadSink(file)
+        elif path:
+            # One file per engine run: sequence numbers start at 1 and replay reads one history.
+            opened = open(path, "w", encoding="utf-8")
+            sink = ProcessSink(opened, str(path)) if encoder == "process" else ThreadSink(opened)
         self._file = (
-            FileWriter(file, max_pending=max_unwritten, name=str(path or file))
-            if file is not None
+            FileWriter(sink, max_pending=max_unwritten, name=str(path or file))
+            if sink is not None
             else None
         )
         self._writer = self._file
@@ -81,9 +95,15 @@ class EventLog:
         now = time.time()
         row = (self._seq, now, src, dst, cause, event)
         kept = clip(event, self.ring_payload) if self.ring_payload else event
-        self._ring.append((self._seq, now, src, dst, cause, pack(kept)))
-        if self._writer is not None:
-            self._writer.submit(row)
+        packed = pack(kept)
+        self._ring.append((self._seq, now, src, dst, cause, packed))
+        writer = self._writer
+        if writer is not None:
+            if writer.packed:
+                packed = packed if kept is event else pack(event)
+                writer.submit((self._seq, now, src, dst, cause, packed))
+            else:
+                writer.submit(row)
         if self._listeners:
             self._tell(row if kept is event else (self._seq, now, src, dst, cause, kept))
         return self._seq

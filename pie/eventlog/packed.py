@@ -55,7 +55,20 @@ def unpack(packed: Any) -> Any:
 
 def _unpack_instance(packed: tuple[Any, ...]) -> Any:
     cls = _CLASSES[packed[0]]
-    return _UNPACKERS[cls](packed)
+    unpacker = _UNPACKERS.get(cls) or _unpacker_of(cls)
+    return unpacker(packed)
+
+
+def classes_from(start: int) -> list[type]:
+    """The classes packed instances may name, from index `start` on (a process that unpacks
+    what this one packed adopts them, in order)."""
+    return _CLASSES[start:]
+
+
+def adopt(classes: list[type]) -> None:
+    """Takes the next classes of another process's packing, so that instances it packed
+    unpack here. Only for a process that unpacks and never packs."""
+    _CLASSES.extend(classes)
 
 
 def _packer_of(cls: type) -> Packer:
@@ -66,8 +79,18 @@ def _packer_of(cls: type) -> Packer:
     _CLASSES.append(cls)
     names = tuple(f.name for f in fields)
     codecs = [_field_codec(f.type) for f in fields]
-    unhooks = [(i + 1, codec[1]) for i, codec in enumerate(codecs) if codec is not None]
     packer = _compiled_packer(cls, index, names, [c and c[0] for c in codecs])
+    _PACKERS[cls] = packer
+    return packer
+
+
+def _unpacker_of(cls: type) -> Callable[[tuple[Any, ...]], Any]:
+    """Makes an instance of `cls` from what its packer made."""
+    attrs.resolve_types(cls)
+    fields = attrs.fields(cls)
+    names = tuple(f.name for f in fields)
+    codecs = [_field_codec(f.type) for f in fields]
+    unhooks = [(i + 1, codec[1]) for i, codec in enumerate(codecs) if codec is not None]
 
     def unpacker(packed: tuple[Any, ...]) -> Any:
         values = list(packed)
@@ -75,9 +98,8 @@ def _packer_of(cls: type) -> Packer:
             values[i] = hook(values[i])
         return cls(**dict(zip(names, values[1:], strict=True)))
 
-    _PACKERS[cls] = packer
     _UNPACKERS[cls] = unpacker
-    return packer
+    return unpacker
 
 
 def _compiled_packer(

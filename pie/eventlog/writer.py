@@ -1,5 +1,6 @@
-"""The event log's file writer: one thread that encodes rows and appends them to the file in the
-order they were handed over, a batch per write, so the appender only passes references.
+"""The event log's file writer: one thread that hands rows, in the order they were handed over
+and a batch at a time, to a sink that encodes them and appends them to the file (in a child
+process, or on this thread: pie/eventlog/encoder.py), so the appender only passes references.
 
 When the writer falls behind by `max_pending` records, records are left out of the file (they
 stay in the ring) until it has caught up by half, and the file says so with one gap record: a
@@ -10,25 +11,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
-from typing import IO
 
 from attrs import frozen
 
-from pie.eventlog.records import Gap, Row, row_json
+from pie.eventlog.encoder import ProcessSink, SinkFailed, ThreadSink
+from pie.eventlog.records import Gap, Row
 
 log = logging.getLogger(__name__)
 
 BATCH_RECORDS = 128
 """The most records encoded per write."""
-
-YIELD_EVERY = 8
-"""Records encoded between two offers of the GIL (and the processor). Encoding holds the GIL,
-about 5 us a record, and a thread that wants it meanwhile (the Trio thread, the pass loop, a
-guest's host call) would otherwise wait for the whole batch. A 5 ms pass that logs 160 records
-(`scripts/bench_event_log.py --critical`) took 1.4 ms beyond its 5 ms when the writer never
-offered the GIL, 0.65 to 0.9 ms when it did every 4 to 32 records, 0.3 ms with no log."""
 
 LINGER_SECONDS = 0.05
 """How long the writer, woken by a record, waits for more before it writes: records arriving
@@ -56,13 +49,15 @@ class _Flush:
 
 
 class FileWriter:
-    """Writes records to `file` on its own thread. `submit` is called from one thread only (the
-    Trio thread); it never blocks."""
+    """Writes records through `sink` from its own thread. `submit` is called from one thread
+    only (the Trio thread); it never blocks. A sink that is `packed` takes rows whose event is
+    packed (pie/eventlog/packed.py)."""
 
-    def __init__(self, file: IO[str], *, max_pending: int, name: str) -> None:
+    def __init__(self, sink: ThreadSink | ProcessSink, *, max_pending: int, name: str) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self._file = file
+        self._sink = sink
+        self.packed = sink.packed
         self._name = name
         self._max_pending = max_pending
         self._queue: collections.deque[Row | Gap | _Flush] = collections.deque()
@@ -184,37 +179,19 @@ class FileWriter:
 
     def _append(self, items: list[Row | Gap]) -> None:
         """One write for the batch; a record that cannot be encoded becomes a gap."""
-        lines: list[str] = []
-        encoded = 0
-        for item in items:
-            if isinstance(item, Gap):
-                lines.append(item.to_json())
-                continue
-            try:
-                lines.append(row_json(item))
-            except Exception as exc:
-                lines.append(self._unencodable(item[0], exc))
-                continue
-            encoded += 1
-            if encoded % YIELD_EVERY == 0:
-                os.sched_yield()  # releases the GIL: a waiting thread takes it
         try:
-            self._file.write("\n".join(lines) + "\n")
-            self._file.flush()
-        except Exception as exc:
-            self._fail(exc)
+            written = self._sink.write(items)
+        except SinkFailed as exc:
+            self._fail(str(exc))
             return
-        self._written += encoded
-        self._dropped += sum(not isinstance(item, Gap) for item in items) - encoded
+        for seq, reason in written.unencodable:
+            # A bug in an event's codec: that record became a gap, the others are written.
+            log.error("event log %s: seq %d %s", self._name, seq, reason)
+        self._written += written.encoded
+        self._dropped += sum(not isinstance(item, Gap) for item in items) - written.encoded
 
-    def _unencodable(self, seq: int, exc: Exception) -> str:
-        # A bug in an event's codec: that record becomes a gap, the others are written.
-        reason = f"could not encode the record: {type(exc).__name__}: {exc}"
-        log.error("event log %s: seq %d %s", self._name, seq, reason)
-        return Gap(first=seq, last=seq, reason=reason).to_json()
-
-    def _fail(self, exc: Exception) -> None:
-        self._error = f"{type(exc).__name__}: {exc}"
+    def _fail(self, error: str) -> None:
+        self._error = error
         log.error(
             "event log %s: writing failed (%s); records from here on are kept in memory only",
             self._name,
@@ -234,9 +211,9 @@ class FileWriter:
     def _finish(self) -> None:
         """Marks the stretch a failed write left out, if the file takes it, and closes."""
         try:
-            if self._unwritten is not None:
-                self._file.write("\n" + self._unwritten.to_json() + "\n")
-            self._file.close()
+            self._sink.close(self._unwritten)
         except Exception as exc:
             if self._error is None:
-                self._fail(exc)
+                self._fail(
+                    str(exc) if isinstance(exc, SinkFailed) else f"{type(exc).__name__}: {exc}"
+                )
