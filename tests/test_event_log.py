@@ -1,6 +1,7 @@
-"""The event log's file, written by its own thread: records land in seq order and all of them by
-close; a writer that falls behind leaves a marked gap that replay refuses; a writer that fails
-is reported and the engine carries on."""
+"""The event log's file, written by its own thread (through the encoder process, or on that thread
+for a file object): records land in seq order and all of them by close; a writer that falls
+behind leaves a marked gap that replay refuses; a writer that fails is reported and the engine
+carries on."""
 
 from __future__ import annotations
 

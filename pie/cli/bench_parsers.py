@@ -122,9 +122,10 @@ def _bench_log_parser(suites: Commands) -> None:
     log.add_argument(
         "--settings",
         nargs="+",
-        choices=["off", "ring", "file", "record"],
+        choices=["off", "ring", "file", "record", "file-thread", "record-thread"],
         default=["off", "ring", "file", "record"],
-        help="record: the file with every inferlet's host calls recorded",
+        help="record: the file with every inferlet's host calls recorded; -thread: the file "
+        "encoded on the writer thread ([event_log] encoder = thread)",
     )
     add_engine_options(log)
 

@@ -29,6 +29,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 """The event log as each setting configures it: off, the in-memory ring only, the ring and a
 JSON-lines file, and the file with every host call of every inferlet recorded."""
+for _name in ("file", "record"):
+    SETTINGS[f"{_name}-thread"] = {**SETTINGS[_name], "encoder": "thread"}
+"""`file-thread` and `record-thread`: the file encoded on the writer thread, in the engine's
+process, rather than by the encoder process."""
 
 
 def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
