@@ -142,18 +142,15 @@ class InferletActor(Actor):
     async def handle(self, event: Any) -> None:
         self._emit_and_apply(self.core.handle(event))
 
-    def _emit(self, outputs: list[tuple[str, Any]]) -> None:
-        if self.tracing is not None:
-            _trace_launches(self.tracing, self.core, outputs)
-        self.emit(outputs)
-
     def _emit_and_apply(self, outputs: list[tuple[str, Any]]) -> None:
+        assert self._nursery is not None
+        if self.tracing is not None:  # before any instance's state asks for its launch's span
+            _trace_launches(self.tracing, self.core, outputs)
         # An admitted instance's address takes deliveries before anything is sent to it: the
         # messages it queued, and those sent before its task runs, would otherwise be dropped.
-        assert self._nursery is not None
         opened = [self._open(instance) for instance in self.core.to_start]
         self.core.to_start.clear()
-        self._emit(outputs)
+        self.emit(outputs)
         for instance, state in opened:
             self._nursery.start_soon(self._run_instance, instance, state)
         for instance_id, reason in self.core.to_kill:
