@@ -312,7 +312,9 @@ async def test_replaying_the_kv_actors_inputs_is_exact() -> None:
 @pytest.mark.integration
 async def test_replaying_the_json_lines_file_after_close_is_exact(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    config = with_overrides(EngineConfig(), event_log={"path": str(path)})
+    # The ring keeps every field whole here, so that it can be compared with the file.
+    log = {"path": str(path), "ring_payload_chars": 0}
+    config = with_overrides(EngineConfig(), event_log=log)
     driver = PoisonDriver(poison=666, page_size=4)
     driver.gate.set()
     with trio.fail_after(10):

@@ -269,6 +269,7 @@ SAMPLES = (
     inf_ev.ResponseBody(instance="i1", chunk=b"data: 1\n\n"),
     inf_ev.SendToInferlet(corr=31, requester="a", instance="i1", data=b"\x00\xffbytes"),
     inf_ev.SessionInput(instance="i1", text="hello"),
+    inf_ev.SessionReceived(instance="i1", size=5),
     inf_ev.InferletStarted(instance="i1", program="ab" * 32),
     inf_ev.InferletOutput(instance="i1", stream="stderr", text="warning\n"),
     inf_ev.SessionMessage(instance="i1", data=b"\x01\x02"),

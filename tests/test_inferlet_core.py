@@ -225,6 +225,59 @@ class TestTerminate:
             assert failed.corr == command.corr and command.instance in failed.message
 
 
+def send(core: InferletCore, instance: str, corr: int, text: str, who: str = "client:1") -> list:
+    return core.handle(ev.SendToInferlet(corr=corr, requester=who, instance=instance, text=text))
+
+
+def send_refused(out: list, kind: str) -> str:
+    [(_, failed)] = out
+    assert isinstance(failed, RequestFailed) and failed.kind == kind, failed
+    return failed.message
+
+
+class TestSessionBounds:
+    def test_messages_past_an_inferlets_count_are_refused_until_it_receives(self) -> None:
+        core, _ = core_with_program(max_session_messages=2)
+        instance = launch(core, 1)
+        assert send(core, instance, 2, "a")[0] == ("client:1", Done(corr=2))
+        assert send(core, instance, 3, "b")[0] == ("client:1", Done(corr=3))
+        message = send_refused(send(core, instance, 4, "c"), "overrun")
+        assert "2 messages" in message and "max_session_messages" in message
+        assert core.handle(ev.SessionReceived(instance=instance, size=1)) == []
+        assert send(core, instance, 5, "c")[0] == ("client:1", Done(corr=5))
+        assert core.statistics().session_bytes == 2
+
+    def test_bytes_past_an_inferlets_bound_are_refused_and_a_queued_inbox_counts(self) -> None:
+        core, _ = core_with_program(max_concurrent=1, max_session_bytes=10)
+        launch(core, 1)
+        queued = launch(core, 2)
+        assert send(core, queued, 3, "ü" * 4)[0] == ("client:1", Done(corr=3))  # 8 bytes
+        message = send_refused(send(core, queued, 4, "xyz"), "overrun")
+        assert "8 bytes" in message and "max_session_mb" in message
+        assert send(core, queued, 5, "xy")[0] == ("client:1", Done(corr=5))
+
+    def test_a_users_inferlets_share_a_bound_and_an_end_gives_its_share_back(self) -> None:
+        core, _ = core_with_program(max_user_session_bytes=10)
+        first = launch(core, 1, user="alice")
+        second = launch(core, 2, user="alice")
+        other = launch(core, 3, who="client:2", user="bob")
+        assert send(core, first, 4, "x" * 6)[0] == ("client:1", Done(corr=4))
+        message = send_refused(send(core, second, 5, "x" * 6), "quota")
+        assert "alice" in message and "max_user_session_mb" in message
+        assert send(core, other, 6, "x" * 6, who="client:2")[0] == ("client:2", Done(corr=6))
+        finish(core, first)
+        assert send(core, second, 7, "x" * 6)[0] == ("client:1", Done(corr=7))
+        assert core.statistics().session_bytes == 12
+
+    def test_a_receipt_for_an_ended_inferlet_changes_nothing(self) -> None:
+        core, _ = core_with_program()
+        instance = launch(core, 1)
+        send(core, instance, 2, "abc")
+        finish(core, instance)
+        assert core.handle(ev.SessionReceived(instance=instance, size=3)) == []
+        assert core.statistics().session_bytes == 0
+
+
 class TestSessionsAndChildren:
     def test_messages_to_a_queued_instance_arrive_when_it_starts(self) -> None:
         core, _ = core_with_program(max_concurrent=1)

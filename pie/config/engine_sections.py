@@ -239,6 +239,14 @@ class SandboxConfig:
     """Children one inferlet may have running and queued at once (0: no limit)."""
     max_child_depth: int = field(default=8, validator=at_least(0))
     """How many generations of children below an inferlet a client launched (0: none)."""
+    max_session_messages: int = field(default=1024, validator=at_least(0))
+    """Session messages one inferlet may hold that its program has not received (0: no limit);
+    a send past it is refused overrun."""
+    max_session_mb: float = field(default=16.0, validator=at_least(0))
+    """Bytes of such messages one inferlet may hold (0: no limit); past it, overrun."""
+    max_user_session_mb: float = field(default=64.0, validator=at_least(0))
+    """Bytes of such messages one user's inferlets may hold together (0: no limit); past it,
+    quota."""
     cache_dir: str = ""
     """Compiled components; empty means $PIE_CACHE_DIR/components or ~/.cache/pie/components."""
     scratch_dir: str = ""

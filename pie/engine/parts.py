@@ -75,6 +75,9 @@ def admission_limits(sandbox: SandboxConfig) -> AdmissionLimits:
         max_depth=sandbox.max_child_depth,
         memory_cap=sandbox.memory_mb << 20,
         memory_budget=sandbox.guest_memory_bytes,
+        max_session_messages=sandbox.max_session_messages,
+        max_session_bytes=int(sandbox.max_session_mb * (1 << 20)),
+        max_user_session_bytes=int(sandbox.max_user_session_mb * (1 << 20)),
     )
 
 

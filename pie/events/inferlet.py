@@ -107,6 +107,23 @@ class SessionInput:
 
 
 @frozen(kw_only=True)
+class SessionReceived:
+    """The instance's program took a session message of `size` bytes (from the instance to the
+    inferlet actor, which counts what each instance holds unread)."""
+
+    instance: str
+    size: int
+
+
+def session_size(text: str | None, data: bytes | None) -> int:
+    """What a session message counts against its inferlet's and its user's bounds: its bytes,
+    or its text's UTF-8 bytes."""
+    if data is not None:
+        return len(data)
+    return len(text.encode("utf-8", "surrogatepass")) if text else 0
+
+
+@frozen(kw_only=True)
 class InferletStarted:
     instance: str
     program: str

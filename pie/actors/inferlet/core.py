@@ -35,6 +35,8 @@ class InferletStatistics:
     programs: int
     refused: int = 0
     """Launches refused for being over a limit (too_many_inferlets)."""
+    session_bytes: int = 0
+    """Bytes of session messages sent to instances that have not received them yet."""
 
 
 @frozen(kw_only=True)
@@ -68,6 +70,12 @@ class AdmissionLimits:
     """The linear memory each running instance may use, reserved at admission."""
     memory_budget: int = 0
     """The memory all running instances may reserve together (0: no limit)."""
+    max_session_messages: int = 1024
+    """Session messages one instance may hold unread, queued or running (0: no limit)."""
+    max_session_bytes: int = 16 << 20
+    """Bytes of session messages one instance may hold unread (0: no limit)."""
+    max_user_session_bytes: int = 64 << 20
+    """Bytes of session messages one user's instances may hold unread together (0: no limit)."""
 
 
 @define
@@ -83,6 +91,10 @@ class Instance:
     state: str = "queued"
     detached: bool = False
     inbox: list[ev.SessionInput] = field(factory=list)
+    """Messages sent while it was queued, delivered when it starts."""
+    unread: int = 0
+    """Session messages sent to it that its program has not received yet."""
+    unread_bytes: int = 0
 
     @property
     def address(self) -> str:
@@ -133,6 +145,7 @@ class InferletCore:
         ev.TerminateInferlet,
         ev.DetachInferlet,
         ev.SendToInferlet,
+        ev.SessionReceived,
         ev.SessionMessage,
         ev.InferletOutput,
         ev.ResponseStarted,
@@ -155,6 +168,8 @@ class InferletCore:
         self._per_user = collections.Counter[str]()
         self._running_per_user = collections.Counter[str]()
         self._per_launcher = collections.Counter[str]()
+        self._unread_bytes = collections.Counter[str]()
+        """Bytes of session messages each user's instances hold unread."""
 
     def handle(self, event: Any) -> list[Output]:
         match event:
@@ -164,6 +179,8 @@ class InferletCore:
                 return self._terminate(event)
             case ev.DetachInferlet():
                 return self._detach(event)
+            case ev.SessionReceived():
+                return self._received(event)
             case ev.SendToInferlet():
                 return self._send(event)
             case (
@@ -287,6 +304,13 @@ class InferletCore:
         instance = self._own(event.instance, event.requester)
         if isinstance(instance, RequestFailed):
             return [(event.requester, _with_corr(instance, event.corr))]
+        size = ev.session_size(event.text, event.data)
+        refusal = self._session_refusal(instance, size)
+        if refusal is not None:
+            return [(event.requester, _failed(event.corr, *refusal))]
+        instance.unread += 1
+        instance.unread_bytes += size
+        self._unread_bytes[instance.user] += size
         message = ev.SessionInput(instance=instance.id, text=event.text, data=event.data)
         out: list[Output] = [(event.requester, Done(corr=event.corr))]
         if instance.state == "queued":
@@ -294,6 +318,39 @@ class InferletCore:
         else:
             out.append((instance.address, message))
         return out
+
+    def _session_refusal(self, instance: Instance, size: int) -> tuple[str, str] | None:
+        """(kind, message) when a session message of `size` bytes would take the instance or
+        its user over a bound; None when it fits."""
+        limits = self.limits
+        held = f"inferlet {instance.id} holds {instance.unread} messages it has not received"
+        if limits.max_session_messages and instance.unread >= limits.max_session_messages:
+            return "overrun", f"{held} ([sandbox] max_session_messages)"
+        if limits.max_session_bytes and instance.unread_bytes + size > limits.max_session_bytes:
+            return "overrun", (
+                f"{held}, {instance.unread_bytes} bytes; {size} more would pass [sandbox] "
+                "max_session_mb"
+            )
+        used = self._unread_bytes[instance.user]
+        if limits.max_user_session_bytes and used + size > limits.max_user_session_bytes:
+            return "quota", (
+                f"user {instance.user!r}'s inferlets hold {used} bytes of messages they have not "
+                f"received; {size} more would pass [sandbox] max_user_session_mb"
+            )
+        return None
+
+    def _received(self, event: ev.SessionReceived) -> list[Output]:
+        instance = self.instances.get(event.instance)
+        if instance is not None and instance.unread:
+            instance.unread -= 1
+            self._release_unread(instance, min(event.size, instance.unread_bytes))
+        return []
+
+    def _release_unread(self, instance: Instance, size: int) -> None:
+        instance.unread_bytes -= size
+        self._unread_bytes[instance.user] -= size
+        if self._unread_bytes[instance.user] <= 0:
+            del self._unread_bytes[instance.user]
 
     def _finished(self, event: ev.InferletFinished) -> list[Output]:
         instance = self.instances.get(event.instance)
@@ -319,6 +376,8 @@ class InferletCore:
 
     def _end(self, instance: Instance, end: ev.InferletEnd) -> list[Output]:
         del self.instances[instance.id]
+        if instance.unread_bytes:
+            self._release_unread(instance, instance.unread_bytes)
         _forget(self._per_user, instance.user)
         if instance.state != "queued":
             _forget(self._running_per_user, instance.user)
@@ -388,6 +447,7 @@ class InferletCore:
             terminated=self._counts["InferletTerminated"],
             programs=len(self.programs),
             refused=self._counts["refused"],
+            session_bytes=sum(self._unread_bytes.values()),
         )
 
 

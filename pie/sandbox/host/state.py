@@ -345,7 +345,11 @@ class InstanceState:
 
     def _feed_session(self) -> None:
         while self._session and self._session_waiting:
-            self._fill(self._session_waiting.popleft(), self._session.popleft())
+            message = self._session.popleft()
+            self._fill(self._session_waiting.popleft(), message)
+            size = inf_ev.session_size(message.text, message.data)
+            # The inferlet actor counts what the instance holds unread ([sandbox] max_session_*).
+            self.bridge.post("inferlets", inf_ev.SessionReceived(instance=self.instance, size=size))
 
     def _child_ended(self, event: inf_ev.InferletEnd) -> None:
         child = self._child_by_instance.get(event.instance)

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from inferlet import Context, HostError, get_model, session
+from inferlet import Context, HostError, get_model, messaging, session
+
+
+async def relay() -> int:
+    """Answers each message until "bye"; returns how many it answered."""
+    count = 0
+    while (message := await session.receive()) != "bye":
+        count += 1
+        session.send(f"{count}:{message}")
+    return count
 
 
 async def main(input: dict[str, Any]) -> Any:
     mode = input["mode"]
     if mode == "relay":
-        # Answers each message until "bye"; returns how many it answered.
-        count = 0
-        while (message := await session.receive()) != "bye":
-            count += 1
-            session.send(f"{count}:{message}")
-        return count
+        return await relay()
+    if mode == "gate":
+        # Reads no message until something is pushed onto the queue, then relays.
+        await messaging.pull(input["queue"])
+        return await relay()
     if mode == "flood":
         # Sends one large message, then says how that went.
         size = int(input["size"])
