@@ -4,18 +4,19 @@ thread (`ThreadSink`, for a file object the caller opened), or in a child proces
 them, so the engine's process spends a pickle of nested tuples on a record rather than its
 encoding.
 
-The child runs `main(FD)`: it reads length-prefixed pickled requests
-from its standard input and answers each on its standard output. Only the engine's own process
-writes to that pipe.
+The child runs `main(FD)`: it reads length-prefixed pickled requests from its standard input
+and answers each on its standard output. Only the engine's own process writes to that pipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 from attrs import frozen
@@ -34,6 +35,12 @@ its 5 ms when the writer never offered the GIL, 0.65 to 0.9 ms when it did every
 records, 0.3 ms with no log."""
 
 
+NICENESS = 15
+"""How much the encoder process lowers its priority: on a machine whose cores the engine keeps
+busy (guests, the pass loop), the encoding waits rather than delays them; the writer's queue
+and its bound (`max_unwritten`) absorb the wait."""
+
+
 class SinkFailed(Exception):
     """The file (or the process writing it) took no more records; the text says why."""
 
@@ -47,11 +54,13 @@ class Written:
     unencodable: tuple[tuple[int, str], ...] = ()
 
 
-def _unencodable(seq: int, exc: Exception) -> str:
+def _unencodable(exc: Exception) -> str:
     return f"could not encode the record: {type(exc).__name__}: {exc}"
 
 
-def lines_of(items: list[Any], convert: Any = None, yield_every: int = 0) -> tuple[str, Written]:
+def lines_of(
+    items: list[Any], convert: Callable[[Any], Row] | None = None, yield_every: int = 0
+) -> tuple[str, Written]:
     """The JSON lines of `items` (rows, or what `convert` makes rows of, and gaps) in order, a
     record that cannot be encoded becoming a gap; with `yield_every`, the GIL is offered after
     every so many records."""
@@ -65,7 +74,7 @@ def lines_of(items: list[Any], convert: Any = None, yield_every: int = 0) -> tup
         try:
             lines.append(row_json(convert(item) if convert else item))
         except Exception as exc:  # a bug in an event's codec: that record becomes a gap
-            reason = _unencodable(item[0], exc)
+            reason = _unencodable(exc)
             unencodable.append((item[0], reason))
             lines.append(Gap(first=item[0], last=item[0], reason=reason).to_json())
             continue
@@ -81,7 +90,12 @@ class ThreadSink:
 
     packed = False
 
-    def __init__(self, file: IO[str], convert: Any = None, yield_every: int = YIELD_EVERY) -> None:
+    def __init__(
+        self,
+        file: IO[str],
+        convert: Callable[[Any], Row] | None = None,
+        yield_every: int = YIELD_EVERY,
+    ) -> None:
         self._file = file
         self._convert = convert
         self._yield_every = yield_every
@@ -193,7 +207,7 @@ def _picklable(items: list[Row | Gap]) -> tuple[list[Row | Gap], list[tuple[int,
             pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             assert not isinstance(item, Gap)
-            reason = _unencodable(item[0], exc)
+            reason = _unencodable(exc)
             refused.append((item[0], reason))
             kept.append(Gap(first=item[0], last=item[0], reason=reason))
             continue
@@ -228,7 +242,12 @@ def _unpacked(item: Any) -> Row:
 
 def main(fd: int) -> None:
     """The child: answers each request until told to close or its input ends."""
-    requests, answers = sys.stdin.buffer, sys.stdout.buffer
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
+    # The answers get standard output to themselves: anything printed goes to standard error.
+    requests, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     file = os.fdopen(fd, "w", encoding="utf-8")
     sink = ThreadSink(file, _unpacked, yield_every=0)
     failed = ""

@@ -73,23 +73,24 @@ def adopt(classes: list[type]) -> None:
 
 def _packer_of(cls: type) -> Packer:
     """Packs an instance of `cls` as (its index, each field packed as its type says)."""
-    attrs.resolve_types(cls)
-    fields = attrs.fields(cls)
     index = len(_CLASSES)
     _CLASSES.append(cls)
-    names = tuple(f.name for f in fields)
-    codecs = [_field_codec(f.type) for f in fields]
+    names, codecs = _fields_of(cls)
     packer = _compiled_packer(cls, index, names, [c and c[0] for c in codecs])
     _PACKERS[cls] = packer
     return packer
 
 
-def _unpacker_of(cls: type) -> Callable[[tuple[Any, ...]], Any]:
-    """Makes an instance of `cls` from what its packer made."""
+def _fields_of(cls: type) -> tuple[tuple[str, ...], list[tuple[Packer, Packer] | None]]:
+    """The names of `cls`'s fields, and how each is packed and unpacked (`_field_codec`)."""
     attrs.resolve_types(cls)
     fields = attrs.fields(cls)
-    names = tuple(f.name for f in fields)
-    codecs = [_field_codec(f.type) for f in fields]
+    return tuple(f.name for f in fields), [_field_codec(f.type) for f in fields]
+
+
+def _unpacker_of(cls: type) -> Callable[[tuple[Any, ...]], Any]:
+    """Makes an instance of `cls` from what its packer made."""
+    names, codecs = _fields_of(cls)
     unhooks = [(i + 1, codec[1]) for i, codec in enumerate(codecs) if codec is not None]
 
     def unpacker(packed: tuple[Any, ...]) -> Any:
