@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pie.actors.inferlet import InferletCore, ProgramError, ProgramRegistry
-from pie.actors.inferlet.core import AdmissionLimits, InferletStatistics
+from pie.actors.inferlet.admission import AdmissionLimits
+from pie.actors.inferlet.core import InferletStatistics
 from pie.actors.inferlet.programs import NameTaken
 from pie.events import inferlet as ev
 from pie.events.kv import Done, RequestFailed

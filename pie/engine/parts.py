@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pie.actors.inferlet.core import AdmissionLimits
+from pie.actors.inferlet.admission import AdmissionLimits
 from pie.actors.inferlet.files import FileLayout, Quota
 from pie.config import EngineConfig, GrammarConfig, NetworkConfig, SandboxConfig
 from pie.grammar import GrammarLimits, Grammars

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import trio
 
-from pie.actors.inferlet.core import AdmissionLimits
+from pie.actors.inferlet.admission import AdmissionLimits
 from pie.actors.inferlet.programs import Owner, ProgramInfo, ProgramRegistry
 from pie.config import EngineConfig
 from pie.eventlog import EventLog

@@ -13,7 +13,8 @@ from typing import Any
 from attrs import frozen
 
 from pie.actors.bus import BusCore, BusLimits
-from pie.actors.inferlet.core import AdmissionLimits, InferletCore
+from pie.actors.inferlet.admission import AdmissionLimits
+from pie.actors.inferlet.core import InferletCore
 from pie.actors.inferlet.programs import ProgramRegistry
 from pie.config import EngineConfig, with_overrides
 from pie.dataplane.former import BatchFormer, BatchPolicy, LaneState

@@ -4,18 +4,18 @@
 `to_start` / `to_kill` for the shell, which owns the threads. Launches past a user's, a
 parent's or the family tree's limits are refused (`too_many_inferlets`); admission keeps
 `max_concurrent` and the guests' memory budget, and a freed slot goes to the waiting user with
-the fewest running.
+the fewest running. Session messages an instance holds unread are bounded per instance and user.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Mapping
 from typing import Any
 
 from attrs import define, field, frozen
 
+from pie.actors.inferlet.admission import AdmissionLimits, FairQueue
 from pie.actors.inferlet.programs import ProgramError, ProgramInfo, ProgramRegistry
 from pie.events import inferlet as ev
 from pie.events.kv import Done, RequestFailed
@@ -52,32 +52,6 @@ class InstanceListing:
     depth: int
 
 
-@frozen(kw_only=True)
-class AdmissionLimits:
-    """How many instances may exist and run ([sandbox] settings); 0 is no limit where noted."""
-
-    max_concurrent: int = 64
-    """Instances running at once."""
-    max_per_user: int = 256
-    """Instances of one user, running and queued together (0: no limit)."""
-    max_running_per_user: int = 0
-    """Instances of one user running at once (0: up to max_concurrent)."""
-    max_children: int = 64
-    """Children one instance may have at once, running and queued (0: no limit)."""
-    max_depth: int = 8
-    """Generations below an instance its client launched (0: no children at all)."""
-    memory_cap: int = 1
-    """The linear memory each running instance may use, reserved at admission."""
-    memory_budget: int = 0
-    """The memory all running instances may reserve together (0: no limit)."""
-    max_session_messages: int = 1024
-    """Session messages one instance may hold unread, queued or running (0: no limit)."""
-    max_session_bytes: int = 16 << 20
-    """Bytes of session messages one instance may hold unread (0: no limit)."""
-    max_user_session_bytes: int = 64 << 20
-    """Bytes of session messages one user's instances may hold unread together (0: no limit)."""
-
-
 @define
 class Instance:
     id: str
@@ -99,44 +73,6 @@ class Instance:
     @property
     def address(self) -> str:
         return f"inferlet:{self.id}"
-
-
-class FairQueue:
-    """Instances waiting for a slot: one FIFO per user, and users take turns."""
-
-    def __init__(self) -> None:
-        # A dict keeps its users in turn order: the one just served goes to the back.
-        self._users: dict[str, collections.deque[str]] = {}
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def append(self, user: str, instance: str) -> None:
-        self._users.setdefault(user, collections.deque()).append(instance)
-        self._size += 1
-
-    def remove(self, user: str, instance: str) -> None:
-        waiting = self._users[user]
-        waiting.remove(instance)
-        self._size -= 1
-        if not waiting:
-            del self._users[user]
-
-    def next_user(self, running: Mapping[str, int], most: int) -> str | None:
-        """The waiting user with the fewest running (the earliest in turn among equals),
-        skipping those with `most` running already (0: nobody is skipped)."""
-        users = [u for u in self._users if most <= 0 or running.get(u, 0) < most]
-        return min(users, key=lambda u: running.get(u, 0), default=None)
-
-    def pop(self, user: str) -> str:
-        """The user's oldest waiting instance; the user's next turn comes after everyone else's."""
-        waiting = self._users.pop(user)
-        self._size -= 1
-        instance = waiting.popleft()
-        if waiting:
-            self._users[user] = waiting
-        return instance
 
 
 class InferletCore:
@@ -348,9 +284,7 @@ class InferletCore:
 
     def _release_unread(self, instance: Instance, size: int) -> None:
         instance.unread_bytes -= size
-        self._unread_bytes[instance.user] -= size
-        if self._unread_bytes[instance.user] <= 0:
-            del self._unread_bytes[instance.user]
+        _forget(self._unread_bytes, instance.user, size)
 
     def _finished(self, event: ev.InferletFinished) -> list[Output]:
         instance = self.instances.get(event.instance)
@@ -451,8 +385,8 @@ class InferletCore:
         )
 
 
-def _forget(counts: collections.Counter[str], key: str) -> None:
-    counts[key] -= 1
+def _forget(counts: collections.Counter[str], key: str, amount: int = 1) -> None:
+    counts[key] -= amount
     if counts[key] <= 0:
         del counts[key]
 
