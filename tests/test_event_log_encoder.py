@@ -107,3 +107,19 @@ def test_an_encoder_process_that_dies_is_reported_and_the_file_marks_what_it_lac
     assert len(log.records()) == 8  # the ring has every record
     with pytest.raises(LogGap, match="seq 4 to 8\\) are not in the file: writing failed"):
         list(read_log(path))
+
+
+def test_an_encoder_process_that_cannot_start_leaves_the_writer_thread_encoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr("pie.eventlog.encoder.subprocess.Popen", refuse)
+    path = tmp_path / "events.jsonl"
+    with caplog.at_level(logging.WARNING, logger="pie.eventlog.log"):
+        log = EventLog(path=path)
+    assert "encoder process could not start" in caplog.text
+    log.append("a", "kv", kv.CreateContext(corr=1, requester="a"))
+    log.close()
+    assert [e.event for e in read_log(path)] == [kv.CreateContext(corr=1, requester="a")]

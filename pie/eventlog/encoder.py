@@ -124,19 +124,18 @@ class ProcessSink:
     packed = True
 
     def __init__(self, file: IO[str], path: str) -> None:
+        """Starts the child; OSError when it cannot be started (`file` is then left open)."""
         self._path = path
         self._adopted = 0
         fd = file.fileno()
-        try:
-            self._child = subprocess.Popen(
-                [sys.executable, "-c", f"from pie.eventlog.encoder import main; main({fd})"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                pass_fds=(fd,),
-                start_new_session=True,  # a Ctrl-C for the engine must not stop its log first
-            )
-        finally:
-            file.close()
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", f"from pie.eventlog.encoder import main; main({fd})"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=(fd,),
+            start_new_session=True,  # a Ctrl-C for the engine must not stop its log first
+        )
+        file.close()  # the child has its own copy
         self._failed = False
 
     def write(self, items: list[Row | Gap]) -> Written:

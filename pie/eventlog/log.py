@@ -78,8 +78,7 @@ class EventLog:
             sink = ThreadSink(file)
         elif path:
             # One file per engine run: sequence numbers start at 1 and replay reads one history.
-            opened = open(path, "w", encoding="utf-8")
-            sink = ProcessSink(opened, str(path)) if encoder == "process" else ThreadSink(opened)
+            sink = _sink_for(open(path, "w", encoding="utf-8"), str(path), encoder)
         self._file = (
             FileWriter(sink, max_pending=max_unwritten, name=str(path or file))
             if sink is not None
@@ -178,6 +177,22 @@ class EventLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _sink_for(file: IO[str], path: str, encoder: str) -> ThreadSink | ProcessSink:
+    """The encoder process for `file`, or the writer thread when asked or when the process
+    cannot be started (which is logged)."""
+    if encoder == "process":
+        try:
+            return ProcessSink(file, path)
+        except OSError as exc:
+            log.warning(
+                "event log %s: the encoder process could not start (%s); the writer thread "
+                "encodes instead",
+                path,
+                exc,
+            )
+    return ThreadSink(file)
 
 
 def _unpacked(row: Row) -> Row:
