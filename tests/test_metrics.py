@@ -5,8 +5,12 @@ guards /metrics, and `pie serve --metrics-port` serves them all."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import re
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pie.cli import main
 from pie.client.local import LocalServer
 from pie.config import EngineConfig, MetricsConfig, with_overrides
+from pie.drivers import factory
 from pie.drivers.synthetic import SyntheticDriver
 from pie.drivers.tokenizer import Tokenizer
 from pie.engine import Engine, open_engine
@@ -31,6 +36,7 @@ from pie.events.sampling import Argmax, SamplingSlot, TokenOutput
 from pie.events.speculation import LanePassApplied, LanePassesApplied
 from pie.server.auth import UserStore
 from pie.server.http import HttpFront
+from pie.server.main import bind_ports, serve
 from pie.server.mounts import Mounts
 from pie.server.observe.metrics import EngineMetrics
 from pie.server.observe.probes import Readiness, Unready, probe_routes, server_readiness
@@ -377,3 +383,48 @@ def test_pie_serve_refuses_a_metrics_port_beside_the_http_front(
 ) -> None:
     assert main(["serve", "--http", "0", "--metrics-port", "0"]) == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+async def test_the_metrics_port_says_starting_while_the_model_loads(
+    tmp_path: Path,
+    default_model_dir: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = threading.Event()
+    real = factory.build_drivers
+
+    def slow_load(config: EngineConfig) -> Any:
+        gate.wait(60)
+        return real(config)
+
+    monkeypatch.setattr(factory, "build_drivers", slow_load)
+    config = with_overrides(
+        EngineConfig(),
+        model={"path": str(default_model_dir)},
+        kv={"num_pages": 16},
+        server={"host": "127.0.0.1", "port": 0, "programs_dir": str(tmp_path / "programs")},
+        metrics={"port": 0},
+        sandbox={"cache_dir": str(PYTEST_CACHE / "pie-components")},
+    )
+    ports = bind_ports(config)
+    host, port = ports.http[0].getsockname()[:2]
+    served = trio.Event()
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(serve, config, announce=lambda _: served.set(), ports=ports)
+            )
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=10) as client:
+                health = await client.get("/health")
+                starting = await client.get("/ready")
+                metrics = await client.get("/metrics")
+                gate.set()
+                await served.wait()
+                ready = await client.get("/ready")
+            os.kill(os.getpid(), signal.SIGINT)  # `pie serve`'s graceful stop
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert starting.status_code == 503 and starting.json()["status"] == "starting"
+    assert "loading its model" in starting.json()["reason"]
+    assert metrics.status_code == 503 and metrics.headers["retry-after"] == "5"
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}

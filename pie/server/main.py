@@ -27,6 +27,7 @@ from pie.server.http import HttpFront
 from pie.server.mounts import Mounts, prepare_mounts
 from pie.server.observe.metrics import EngineMetrics
 from pie.server.observe.probes import probe_routes, server_readiness
+from pie.server.observe.starting import answer_while_starting
 from pie.server.ports import BoundPorts, PortUnavailable, bind_ports, listen_on
 from pie.server.routes import Route
 
@@ -67,47 +68,62 @@ async def _serve(
     announce: Callable[[Server], None] | None,
     announce_http: Callable[[HttpFront], None] | None,
 ) -> None:
-    async with (
-        open_engine(with_snapshots_dir(config), bus=_bus(config)) as engine,
-        _shared(config) as shared,
-    ):
-        server = Server(
-            engine,
-            config.server,
-            sockets=ports.websocket,
-            shared_programs=shared.programs if shared else None,
-            users=shared.users if shared else None,
-            placer=_placer(config, shared, engine),
-        )
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(server.run)
-                node = None
-                if shared is not None:
-                    from pie.server.clustered import share_node
+    async with trio.open_nursery() as starting:
+        # The HTTP port answers /health and /ready ("starting") while the model loads.
+        loaded = await starting.start(answer_while_starting, ports.http)
+        async with (
+            open_engine(with_snapshots_dir(config), bus=_bus(config)) as engine,
+            _shared(config) as shared,
+        ):
+            loaded()
+            await _serve_engine(engine, shared, config, ports, announce, announce_http)
 
-                    node = await share_node(shared, config.cluster, server, nursery)
-                routes = node.routes if node is not None else ()
-                front = await _start_http(engine, config, server, nursery, ports.http, routes)
-                if front is not None and announce_http is not None:
-                    announce_http(front)
-                registration: Registration | None = None
-                if node is not None:
-                    from pie.server.joining import join_cluster
 
-                    back = node.redis_back
-                    registration = await nursery.start(
-                        join_cluster, config.cluster, server, front, back
-                    )
-                settle_heap()
-                if announce is not None:
-                    announce(server)
-                nursery.start_soon(_on_signals, signals, server, front, nursery, registration)
-                await server.wait_stopped()
-                if front is not None:
-                    with trio.move_on_after(server.config.shutdown_seconds):
-                        await front.wait_idle()
-                nursery.cancel_scope.cancel()
+async def _serve_engine(
+    engine: Engine,
+    shared: Any,
+    config: EngineConfig,
+    ports: BoundPorts,
+    announce: Callable[[Server], None] | None,
+    announce_http: Callable[[HttpFront], None] | None,
+) -> None:
+    server = Server(
+        engine,
+        config.server,
+        sockets=ports.websocket,
+        shared_programs=shared.programs if shared else None,
+        users=shared.users if shared else None,
+        placer=_placer(config, shared, engine),
+    )
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            node = None
+            if shared is not None:
+                from pie.server.clustered import share_node
+
+                node = await share_node(shared, config.cluster, server, nursery)
+            routes = node.routes if node is not None else ()
+            front = await _start_http(engine, config, server, nursery, ports.http, routes)
+            if front is not None and announce_http is not None:
+                announce_http(front)
+            registration: Registration | None = None
+            if node is not None:
+                from pie.server.joining import join_cluster
+
+                back = node.redis_back
+                registration = await nursery.start(
+                    join_cluster, config.cluster, server, front, back
+                )
+            settle_heap()
+            if announce is not None:
+                announce(server)
+            nursery.start_soon(_on_signals, signals, server, front, nursery, registration)
+            await server.wait_stopped()
+            if front is not None:
+                with trio.move_on_after(server.config.shutdown_seconds):
+                    await front.wait_idle()
+            nursery.cancel_scope.cancel()
 
 
 @contextlib.asynccontextmanager
