@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from pie.server.auth import UserStore
 from pie.server.http import HttpFront
 from pie.server.main import bind_ports, serve
 from pie.server.mounts import Mounts
+from pie.server.observe import starting
 from pie.server.observe.metrics import EngineMetrics
 from pie.server.observe.probes import Readiness, Unready, probe_routes, server_readiness
 from pie.server.observe.token_times import LogTail, TokenTimes
@@ -428,3 +430,27 @@ async def test_the_metrics_port_says_starting_while_the_model_loads(
     assert "loading its model" in starting.json()["reason"]
     assert metrics.status_code == 503 and metrics.headers["retry-after"] == "5"
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+
+
+@pytest.mark.unit
+async def test_while_starting_idle_connections_past_the_bound_are_closed_and_others_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(starting, "MAX_CONNECTIONS", 1)
+    listening = socket.create_server(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            loaded = await nursery.start(starting.answer_while_starting, [listening])
+            idle = await trio.open_tcp_stream("127.0.0.1", port)  # sends nothing
+            await trio.sleep(0.1)
+            refused = await trio.open_tcp_stream("127.0.0.1", port)
+            assert await refused.receive_some(1024) == b""
+            await idle.aclose()
+            await trio.sleep(0.1)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                health = await client.get("/health")
+            loaded()
+    assert health.status_code == 200
+    assert listening.fileno() != -1  # the front still has the port
+    listening.close()

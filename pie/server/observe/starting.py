@@ -18,6 +18,9 @@ HEAD_BYTES = 8192
 READ_SECONDS = 5.0
 """How long a connection may take to send its request line."""
 
+MAX_CONNECTIONS = 64
+"""Connections answered at once; more are closed as they come."""
+
 _REASON = "the engine is loading its model"
 
 
@@ -38,13 +41,25 @@ async def answer_while_starting(
 
 
 async def _serve(listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+    open_now = [0]
     async with listener:
         while True:
             stream = await listener.accept()
-            nursery.start_soon(_answer, stream)
+            if open_now[0] >= MAX_CONNECTIONS:
+                await stream.aclose()
+                continue
+            open_now[0] += 1
+            nursery.start_soon(_answer, stream, open_now)
 
 
-async def _answer(stream: trio.SocketStream) -> None:
+async def _answer(stream: trio.SocketStream, open_now: list[int]) -> None:
+    try:
+        await _answer_one(stream)
+    finally:
+        open_now[0] -= 1
+
+
+async def _answer_one(stream: trio.SocketStream) -> None:
     async with stream:
         head = b""
         with trio.move_on_after(READ_SECONDS):
