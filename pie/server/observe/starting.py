@@ -53,25 +53,21 @@ async def _serve(listener: trio.SocketListener, nursery: trio.Nursery) -> None:
 
 
 async def _answer(stream: trio.SocketStream, open_now: list[int]) -> None:
+    """Reads the request line (what came within READ_SECONDS) and answers it once."""
+    head = b""
     try:
-        await _answer_one(stream)
+        async with stream:
+            with trio.move_on_after(READ_SECONDS):
+                while b"\r\n" not in head and len(head) < HEAD_BYTES:
+                    data = await stream.receive_some(HEAD_BYTES)
+                    if not data:
+                        break
+                    head += data
+            await stream.send_all(_response(head))
+    except trio.BrokenResourceError:
+        pass
     finally:
         open_now[0] -= 1
-
-
-async def _answer_one(stream: trio.SocketStream) -> None:
-    async with stream:
-        head = b""
-        with trio.move_on_after(READ_SECONDS):
-            while b"\r\n" not in head and len(head) < HEAD_BYTES:
-                data = await stream.receive_some(HEAD_BYTES)
-                if not data:
-                    break
-                head += data
-        try:
-            await stream.send_all(_response(head))
-        except trio.BrokenResourceError:
-            pass
 
 
 def _response(head: bytes) -> bytes:
